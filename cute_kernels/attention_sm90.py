@@ -1,0 +1,394 @@
+"""IonAttention forward kernel for Hopper (sm_90a), written in CuTeDSL.
+
+One launch covers every row of a mixed prefill + decode batch over the paged KV cache.
+
+Work decomposition (see docs/contract.md): the host-side planner emits a work list; CTA ``c``
+walks items ``cta_offsets[c] : cta_offsets[c+1]``.  An item is one (request, KV head, q tile,
+KV page range).  A q tile packs ``tokens_per_tile = 64 // Gp`` new tokens times ``Gp`` q heads
+(the q heads that share one KV head, padded to a power of two) into the 64-row M dimension of
+the wgmma, so a decode row with GQA 7 fills 7 of 8 rows per token instead of 1 of 64.
+
+CTA layout (256 threads, two warpgroups):
+  * warpgroup 0 -- producer.  Warp 0 issues TMA (``cp.async.bulk.tensor``) loads: the packed Q
+    box (Gp heads x tokens_per_tile tokens x D) and, per KV page, one K box and one V box
+    (``page x D``: one page of one KV head is exactly one TMA box in the ION HND layout).
+    Loads complete on mbarriers of a multi-stage shared-memory pipeline.
+  * warpgroup 1 -- consumer.  S = Q K^T on wgmma (A and B from shared memory), online softmax
+    in fp32 registers (exp2, causal / length masking on boundary pages only), P converted to
+    16-bit in registers and O += P V on wgmma (A from registers, B = V from shared memory),
+    then O / l stored to global memory for the valid rows.
+This v1 kernel runs every item to completion (the planner is called without split-KV).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+TILE_M = 64
+LOG2_E = 1.4426950408889634
+
+# work-list columns (docs/contract.md)
+W_REQ, W_HEAD, W_QSTART, W_QLEN, W_P0, W_P1, W_SPLIT, W_NSPLIT = range(8)
+WORK_COLS = 8
+
+
+class IonAttentionSm90:
+    """Compile-time configuration of one kernel variant.
+
+    ``dtype``: cutlass.BFloat16 or cutlass.Float16.  ``head_dim``: 64 or 128.
+    ``group_pad``: G rounded up to a power of two (1, 2, 4, 8).  ``page_size``: KV page = KV tile.
+    """
+
+    def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
+                 kv_stages: int = 4, q_stages: int = 2):
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+        if group_pad not in (1, 2, 4, 8):
+            raise ValueError(f"group_pad must be 1, 2, 4 or 8, got {group_pad}")
+        if page_size not in (64, 128):
+            raise ValueError(f"page_size must be 64 or 128, got {page_size}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.group_pad = group_pad
+        self.tokens_per_tile = TILE_M // group_pad
+        self.page = page_size
+        self.kv_stages = kv_stages
+        self.q_stages = q_stages
+        self.threads = 256
+        self.producer_regs = 24
+        self.consumer_regs = 240
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [T, Hq, D]
+        mK: cute.Tensor,          # [NB, Hkv, P, D] (view)
+        mV: cute.Tensor,          # [NB, Hkv, P, D] (view)
+        mO: cute.Tensor,          # [T, Hq, D]
+        mQSL: cute.Tensor,        # int32 [B+1]
+        mSeqLens: cute.Tensor,    # int32 [B]
+        mBlockTable: cute.Tensor,  # int32 [B, max_pages]
+        mWork: cute.Tensor,       # int32 [N, 8]
+        mOffsets: cute.Tensor,    # int32 [C+1]
+        group_size: cutlass.Int32,
+        softmax_scale_log2: cutlass.Float32,
+        num_ctas: cutlass.Int32,
+        stream,
+    ):
+        dt = self.dtype
+        D = self.head_dim
+        P = self.page
+        Gp = self.group_pad
+        TPT = self.tokens_per_tile
+
+        # Q viewed as (head, token, d): a (Gp, TPT, D) box starting at head h*G is the packed tile.
+        q_view = cute.make_tensor(
+            mQ.iterator,
+            cute.make_layout((mQ.shape[1], mQ.shape[0], D), stride=(mQ.stride[1], mQ.stride[0], 1)),
+        )
+        # K viewed as (row, d, head, page): K-major B operand of S = Q K^T.
+        k_view = cute.make_tensor(
+            mK.iterator,
+            cute.make_layout((P, D, mK.shape[1], mK.shape[0]),
+                             stride=(mK.stride[2], 1, mK.stride[1], mK.stride[0])),
+        )
+        # V viewed as (d, row, head, page): MN-major B operand of O = P V.
+        v_view = cute.make_tensor(
+            mV.iterator,
+            cute.make_layout((D, P, mV.shape[1], mV.shape[0]),
+                             stride=(1, mV.stride[2], mV.stride[1], mV.stride[0])),
+        )
+
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (TILE_M, P))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (TILE_M, D), warpgroup.OperandSource.RMEM)
+
+        q_smem_staged = sm90_utils.make_smem_layout_a(
+            utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.q_stages)
+        k_smem_staged = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.kv_stages)
+        v_smem_staged = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.COL_MAJOR, (TILE_M, D, P), dt, self.kv_stages)
+
+        # The packed-GQA Q box: smem rows r = t * Gp + g, viewed as (Gp, TPT, D).
+        q_smem_one = cute.slice_(q_smem_staged, (None, None, 0))
+        q_smem_box = cute.composition(
+            q_smem_one, cute.make_layout((Gp, TPT, D), stride=(1, Gp, TILE_M)))
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q_view, q_smem_box, (Gp, TPT, D))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), k_view,
+            cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), v_view,
+            cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+
+        self.q_bytes = cute.size_in_bytes(dt, q_smem_one)
+        self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(k_smem_staged, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
+            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_smem_staged)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_smem_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
+            mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, group_size, softmax_scale_log2,
+            q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ_tma: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK_tma: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV_tma: cute.Tensor,
+        mO: cute.Tensor,
+        mQSL: cute.Tensor,
+        mSeqLens: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mWork: cute.Tensor,
+        mOffsets: cute.Tensor,
+        group_size: cutlass.Int32,
+        scale_log2: cutlass.Float32,
+        q_smem_staged: cute.ComposedLayout,
+        q_smem_box: cute.ComposedLayout,
+        k_smem_staged: cute.ComposedLayout,
+        v_smem_staged: cute.ComposedLayout,
+    ):
+        D = self.head_dim
+        P = self.page
+        Gp = self.group_pad
+        TPT = self.tokens_per_tile
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_mbar.data_ptr(),
+            num_stages=self.q_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        )
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.kv_bytes,
+            defer_sync=True,
+        )
+        q_prod, q_cons = q_pipe.make_participants()
+        kv_prod, kv_cons = kv_pipe.make_participants()
+
+        sQ = storage.sQ.get_tensor(q_smem_staged.outer, swizzle=q_smem_staged.inner)
+        sK = storage.sKV.get_tensor(k_smem_staged.outer, swizzle=k_smem_staged.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_staged.inner), v_smem_staged.outer)
+        # (Gp, TPT, D, stages) view of the Q buffer for the TMA box
+        sQ_box = cute.make_tensor(
+            cute.recast_ptr(sQ.iterator, q_smem_box.inner),
+            cute.append(q_smem_box.outer, cute.make_layout(self.q_stages,
+                                                           stride=cute.cosize(q_smem_box.outer))),
+        )
+
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+        pipeline.pipeline_init_wait()
+
+        item_begin = mOffsets[bidx]
+        item_end = mOffsets[bidx + 1]
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------ producer
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                gK = cute.flat_divide(mK_tma, (P, D))        # (P, D, 1, 1, Hkv, NB)
+                gV = cute.flat_divide(mV_tma, (D, P))        # (D, P, 1, 1, Hkv, NB)
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                    cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(
+                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                    cute.group_modes(gV, 0, 2))
+                for it in cutlass.range(item_begin, item_end, 1, unroll=1):
+                    b = mWork[it, W_REQ]
+                    h = mWork[it, W_HEAD]
+                    q_start = mWork[it, W_QSTART]
+                    p0 = mWork[it, W_P0]
+                    p1 = mWork[it, W_P1]
+                    tok0 = mQSL[b] + q_start
+                    # packed Q tile: heads h*G .. h*G+Gp-1, tokens tok0 .. tok0+TPT-1
+                    gQ = cute.local_tile(
+                        cute.domain_offset((h * group_size, tok0, 0), mQ_tma),
+                        (Gp, TPT, D), (0, 0, 0))
+                    tQsQ, tQgQ = cpasync.tma_partition(
+                        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ_box, 0, 3),
+                        cute.group_modes(gQ, 0, 3))
+                    q_handle = q_prod.acquire_and_advance()
+                    cute.copy(tma_q, tQgQ, tQsQ[(None, q_handle.index)],
+                              tma_bar_ptr=q_handle.barrier)
+                    for p in cutlass.range(p0, p1, 1, unroll=1):
+                        page = mBlockTable[b, p]
+                        k_handle = kv_prod.acquire_and_advance()
+                        cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
+                                  tKsK[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
+                        v_handle = kv_prod.acquire_and_advance()
+                        cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
+                                  tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
+        else:
+            # ------------------------------------------------------------ consumer
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            ctid = tidx - 128
+            qk_thr = qk_mma.get_slice(ctid)
+            pv_thr = pv_mma.get_slice(ctid)
+            tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
+            tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
+            tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
+            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((TILE_M, P)))
+            acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((TILE_M, D)))
+            tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE_M, P)))
+            tOcO = pv_thr.partition_C(cute.make_identity_tensor((TILE_M, D)))
+            rP = cute.make_rmem_tensor(
+                pv_thr.partition_shape_A((TILE_M, P)), self.dtype)
+            rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
+            row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+            row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+            n_s = cute.size(acc_s)
+            n_o = cute.size(acc_o)
+            k_blocks_qk = cute.size(tSrQ, mode=[2])
+            k_blocks_pv = cute.size(tOrV, mode=[2])
+            minus_inf = -cutlass.Float32.inf
+
+            for it in cutlass.range(item_begin, item_end, 1, unroll=1):
+                b = mWork[it, W_REQ]
+                h = mWork[it, W_HEAD]
+                q_start = mWork[it, W_QSTART]
+                q_cnt = mWork[it, W_QLEN]
+                p0 = mWork[it, W_P0]
+                p1 = mWork[it, W_P1]
+                seq_len = mSeqLens[b]
+                q_len = mQSL[b + 1] - mQSL[b]
+                # absolute position of the tile's first token
+                pos0 = seq_len - q_len + q_start
+
+                row_max[0] = minus_inf
+                row_max[1] = minus_inf
+                row_sum[0] = cutlass.Float32(0.0)
+                row_sum[1] = cutlass.Float32(0.0)
+                acc_o.fill(0.0)
+
+                q_handle = q_cons.wait_and_advance()
+                for p in cutlass.range(p0, p1, 1, unroll=1):
+                    k_handle = kv_cons.wait_and_advance()
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range_constexpr(k_blocks_qk):
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, q_handle.index)],
+                                  tSrK[(None, None, kb, k_handle.index)], acc_s)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    k_handle.release()
+
+                    # Masking: only pages that reach past the first row's position or the
+                    # sequence end need it (causal diagonal / ragged tail).
+                    kv0 = p * P
+                    if kv0 + P - 1 > pos0:
+                        for e in cutlass.range_constexpr(n_s):
+                            kv = kv0 + tScS[e][1]
+                            qpos = pos0 + tScS[e][0] // Gp
+                            if kv > cutlass.min(qpos, seq_len - 1):
+                                acc_s[e] = minus_inf
+
+                    # online softmax; a thread holds rows slot 0 and 1 (elements e with
+                    # (e // 2) % 2 == slot, per the wgmma accumulator layout)
+                    for slot in cutlass.range_constexpr(2):
+                        mx = row_max[slot]
+                        for e in cutlass.range_constexpr(n_s):
+                            if cutlass.const_expr((e // 2) % 2 == slot):
+                                mx = cute.arch.fmax(mx, acc_s[e])
+                        mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
+                        m_use = mx
+                        if mx == minus_inf:
+                            m_use = cutlass.Float32(0.0)
+                        corr = cute.math.exp2((row_max[slot] - m_use) * scale_log2, fastmath=True)
+                        m_scaled = m_use * scale_log2
+                        psum = cutlass.Float32(0.0)
+                        for e in cutlass.range_constexpr(n_s):
+                            if cutlass.const_expr((e // 2) % 2 == slot):
+                                pe = cute.math.exp2(acc_s[e] * scale_log2 - m_scaled, fastmath=True)
+                                acc_s[e] = pe
+                                psum = psum + pe
+                        row_sum[slot] = row_sum[slot] * corr + psum
+                        row_max[slot] = mx
+                        for e in cutlass.range_constexpr(n_o):
+                            if cutlass.const_expr((e // 2) % 2 == slot):
+                                acc_o[e] = acc_o[e] * corr
+
+                    rP_as_s.store(acc_s.load().to(self.dtype))
+
+                    v_handle = kv_cons.wait_and_advance()
+                    cute.nvgpu.warpgroup.fence()
+                    pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    for kb in cutlass.range_constexpr(k_blocks_pv):
+                        cute.gemm(pv_mma, acc_o, rP[(None, None, kb)],
+                                  tOrV[(None, None, kb, v_handle.index)], acc_o)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    v_handle.release()
+                q_handle.release()
+
+                # ---------------------------------------------------------- epilogue
+                for slot in cutlass.range_constexpr(2):
+                    row_sum[slot] = cute.arch.warp_reduction_sum(row_sum[slot], threads_in_group=4)
+                row0 = tOcO[0][0]
+                for slot in cutlass.range_constexpr(2):
+                    row = row0 + slot * 8
+                    t_local = row // Gp
+                    g = row % Gp
+                    inv = cutlass.Float32(0.0)
+                    if row_sum[slot] > 0.0:
+                        inv = cute.arch.rcp_approx(row_sum[slot])
+                    if t_local < q_cnt:
+                        if g < group_size:
+                            tok = mQSL[b] + q_start + t_local
+                            head = h * group_size + g
+                            for e in cutlass.range_constexpr(n_o):
+                                if cutlass.const_expr((e // 2) % 2 == slot):
+                                    mO[tok, head, tOcO[e][1]] = (acc_o[e] * inv).to(self.dtype)

@@ -1,0 +1,50 @@
+"""The set of IonAttention kernel variants the backend can select.
+
+A variant is fixed at compile time by (dtype, head_dim, group_pad, page_size); everything else
+(token count, head counts, GQA ratio G <= group_pad, number of pages, batch) is a runtime value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_GROUP_PADS = (1, 2, 4, 8)
+PAGE_SIZE = 64
+MAX_GROUP = 8
+
+
+class Variant(NamedTuple):
+    dtype: str        # "bfloat16" | "float16"
+    head_dim: int     # 64 | 128
+    group_pad: int    # 1 | 2 | 4 | 8  (GQA ratio rounded up to a power of two)
+    page_size: int    # KV page = KV tile = one TMA box
+
+
+def group_pad_for(group_size: int) -> int:
+    if not 1 <= group_size <= MAX_GROUP:
+        raise ValueError(f"GQA ratio must be in 1..{MAX_GROUP}, got {group_size}")
+    gp = 1
+    while gp < group_size:
+        gp *= 2
+    return gp
+
+
+def variant_for(torch_dtype, head_dim: int, group_size: int, page_size: int = PAGE_SIZE) -> Variant:
+    name = str(torch_dtype).replace("torch.", "")
+    if name not in SUPPORTED_DTYPES:
+        raise TypeError(f"IonAttention supports {SUPPORTED_DTYPES}, got {name}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"IonAttention supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if page_size != PAGE_SIZE:
+        raise ValueError(f"IonAttention pages hold {PAGE_SIZE} tokens, got {page_size}")
+    return Variant(name, head_dim, group_pad_for(group_size), page_size)
+
+
+ALL_VARIANTS = tuple(
+    Variant(dt, d, gp, PAGE_SIZE)
+    for dt in SUPPORTED_DTYPES
+    for d in SUPPORTED_HEAD_DIMS
+    for gp in SUPPORTED_GROUP_PADS
+)
