@@ -12,12 +12,11 @@ import functools
 import math
 import os
 import threading
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .variants import Variant, group_pad_for, variant_for
+from .variants import CTAS_PER_SM, Variant, group_pad_for, variant_for
 
 _compile_lock = threading.Lock()
 
@@ -56,43 +55,178 @@ def _fake_args(variant: Variant):
     block_table = make_fake_tensor(i32, (sym(), sym()), stride=(cute.sym_int64(), 1), assumed_align=4)
     work = make_fake_tensor(i32, (sym(), 8), stride=(8, 1), assumed_align=16)
     offsets = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
+    poff = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
+    po = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
+    plse = make_fake_tensor(cutlass.Float32, (sym(),), stride=(1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (q, k, v, o, qsl, seq_lens, block_table, work, offsets,
+    return (q, k, v, o, qsl, seq_lens, block_table, work, offsets, poff, po, plse,
             cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1), stream)
 
 
-def compile_variant(variant: Variant, *, keep_ptx: bool = False):
-    """Compile one kernel variant for sm_90a. Works without a GPU (CUTE_DSL_ARCH=sm_90a)."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cutlass.cute as cute
-
+def make_kernel(variant: Variant):
+    """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``)."""
     from .attention_sm90 import IonAttentionSm90
 
-    kernel = IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
-                              variant.group_pad, variant.page_size)
-    options = "--enable-tvm-ffi"
-    if keep_ptx:
-        options += " --keep-ptx"
-    return cute.compile(kernel, *_fake_args(variant), options=options)
+    return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
+                            variant.page_size, ctas_per_sm=CTAS_PER_SM)
+
+
+def make_combine_kernel(variant: Variant):
+    from .combine_sm90 import CombineSm90
+
+    return CombineSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad)
+
+
+def combine_fake_args(variant: Variant):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    dt = _cutlass_dtype(variant.dtype)
+    D = variant.head_dim
+    sym = cute.sym_int
+    o = make_fake_tensor(dt, (sym(), sym(), D), stride=(cute.sym_int64(divisibility=8), D, 1),
+                         assumed_align=16)
+    qsl = make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,), assumed_align=4)
+    comb = make_fake_tensor(cutlass.Int32, (sym(), 6), stride=(6, 1), assumed_align=4)
+    po = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
+    plse = make_fake_tensor(cutlass.Float32, (sym(),), stride=(1,), assumed_align=4)
+    return (o, qsl, comb, po, plse, cutlass.Int32(1), cutlass.Int32(1),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+fake_args = _fake_args
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant):
+    import cutlass.cute as cute
+
     with _compile_lock:
-        return compile_variant(variant)
+        return cute.compile(make_kernel(variant), *fake_args(variant), options="--enable-tvm-ffi")
 
 
-def num_sms(device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)
+def _compiled_combine(variant: Variant):
+    import cutlass.cute as cute
+
+    with _compile_lock:
+        return cute.compile(make_combine_kernel(variant), *combine_fake_args(variant),
+                            options="--enable-tvm-ffi")
+
+
+def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@dataclass
-class DevicePlan:
-    """Planner output resident on the device (what the kernel reads)."""
+class _PinnedStage:
+    """Pinned host copy of the plan buffers and the event of its last upload."""
 
-    work: torch.Tensor        # int32 [n_items_capacity, 8]
-    cta_offsets: torch.Tensor  # int32 [num_ctas + 1]
-    num_ctas: int
+    def __init__(self, item_capacity: int, group_capacity: int, num_ctas: int, pin: bool):
+        self.work = torch.zeros((item_capacity, 8), dtype=torch.int32, pin_memory=pin)
+        self.cta_offsets = torch.zeros(num_ctas + 1, dtype=torch.int32, pin_memory=pin)
+        self.partial_offsets = torch.full((item_capacity,), -1, dtype=torch.int32, pin_memory=pin)
+        self.combine = torch.zeros((group_capacity, 6), dtype=torch.int32, pin_memory=pin)
+        self.num_items = 0
+        self.event = torch.cuda.Event() if pin else None
+        self.recorded = False
+
+
+class DevicePlan:
+    """The planner's work list resident on the device, in buffers allocated once.
+
+    ``upload(host_plan)`` writes a step's plan into the same device buffers (through two
+    alternating pinned staging buffers, non-blocking), so launches captured in a CUDA graph
+    stay valid on replay.  It also owns the split-KV workspace (``partial_o``/``partial_lse``)
+    and the combine group list; plan with ``max_partial_rows=partial_rows_capacity``.
+    ``always_combine`` makes every call launch the combine pass (needed under graph capture,
+    where a later replay may carry split groups).
+    """
+
+    def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
+                 num_ctas: int, head_dim: int, device, always_combine: bool = False):
+        device = torch.device(device)
+        self.device = device
+        self.num_ctas = int(num_ctas)
+        self.item_capacity = max(1, int(item_capacity))
+        self.group_capacity = max(1, int(group_capacity))
+        self.partial_rows_capacity = int(partial_rows_capacity)
+        self.always_combine = always_combine
+        self.work = torch.zeros((self.item_capacity, 8), dtype=torch.int32, device=device)
+        self.cta_offsets = torch.zeros(self.num_ctas + 1, dtype=torch.int32, device=device)
+        self.partial_offsets = torch.full((self.item_capacity,), -1, dtype=torch.int32,
+                                          device=device)
+        self.combine = torch.zeros((self.group_capacity, 6), dtype=torch.int32, device=device)
+        rows = max(1, self.partial_rows_capacity)
+        self.partial_o = torch.empty((rows, head_dim), dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty((rows,), dtype=torch.float32, device=device)
+        self.num_items = 0
+        self.num_groups = 0
+        self.host = None
+        pin = device.type == "cuda"
+        self._stages = [_PinnedStage(self.item_capacity, self.group_capacity, self.num_ctas, pin)
+                        for _ in range(2)]
+        self._next = 0
+
+    def upload(self, host_plan) -> "DevicePlan":
+        from .planner import pack_plan
+
+        if host_plan.num_ctas != self.num_ctas:
+            raise ValueError(f"plan has {host_plan.num_ctas} CTAs, buffers {self.num_ctas}")
+        n = host_plan.n_items
+        g = host_plan.combine.shape[0]
+        if n > self.item_capacity or g > self.group_capacity:
+            raise RuntimeError(f"plan ({n} items, {g} split groups) exceeds the device plan "
+                               f"capacity ({self.item_capacity}, {self.group_capacity})")
+        if host_plan.partial_rows > self.partial_rows_capacity:
+            raise RuntimeError(f"plan needs {host_plan.partial_rows} partial rows, workspace "
+                               f"holds {self.partial_rows_capacity}")
+        stage = self._stages[self._next]
+        self._next ^= 1
+        if stage.event is not None and stage.recorded:
+            stage.event.synchronize()  # the copy that last read this stage has finished
+        # rows past this plan must be cleared on the device if an earlier plan used them
+        rows = max(n, self.num_items)
+        grows = max(g, self.num_groups)
+        pack_plan(host_plan, stage.work.numpy(), stage.cta_offsets.numpy(),
+                  stage.partial_offsets.numpy(), stage.combine.numpy(),
+                  prev_n_items=max(rows, stage.num_items))
+        stage.num_items = n
+        if rows:
+            self.work[:rows].copy_(stage.work[:rows], non_blocking=True)
+            self.partial_offsets[:rows].copy_(stage.partial_offsets[:rows], non_blocking=True)
+        self.cta_offsets.copy_(stage.cta_offsets, non_blocking=True)
+        if grows:
+            self.combine[:grows].copy_(stage.combine[:grows], non_blocking=True)
+        if stage.event is not None:
+            stage.event.record()
+            stage.recorded = True
+        self.num_items = n
+        self.num_groups = g
+        self.host = host_plan
+        return self
+
+
+def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,
+                     page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
+                     allow_split: bool = True, max_splits: int = 16) -> DevicePlan:
+    """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
+    backend keeps one DevicePlan per builder and calls ``upload`` every step)."""
+    import numpy as np
+
+    from .planner import plan as host_plan_fn
+
+    if num_ctas is None:
+        sms = num_sms(torch.device(device)) if torch.cuda.is_available() else 132
+        num_ctas = sms * CTAS_PER_SM
+    p = host_plan_fn(np.asarray(query_start_loc_cpu, dtype=np.int32),
+                     np.asarray(seq_lens_cpu, dtype=np.int32),
+                     num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
+                     num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits)
+    dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
+                    partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
+                    head_dim=head_dim, device=device)
+    return dp.upload(p)
 
 
 def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table):
@@ -131,9 +265,9 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                   query_start_loc_cpu=None, seq_lens_cpu=None):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
-    ``plan`` is a DevicePlan built once per step (see ``make_device_plan``).  When None, the
-    plan is built here from host copies of ``query_start_loc``/``seq_lens`` (pass them as
-    ``*_cpu`` to avoid a device sync).
+    ``plan`` is a DevicePlan built once per step; when None it is planned here from host
+    copies of ``query_start_loc``/``seq_lens`` (pass them as ``*_cpu`` to avoid a sync).
+    Launches the attention kernel, then (if any item is split) the combine pass.
     """
     T, Hq, Hkv, D, P = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                     block_table)
@@ -142,43 +276,14 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         qsl_h = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.cpu()
         sl_h = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu()
         plan = make_device_plan(qsl_h, sl_h, num_kv_heads=Hkv, group_size=G, page_size=P,
-                                device=q.device)
-    if plan.num_ctas == 0 or T == 0:
+                                head_dim=D, device=q.device)
+    if T == 0:
         return out
     variant = variant_for(q.dtype, D, G, P)
-    kernel = _compiled(variant)
-    kernel(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, plan.work,
-           plan.cta_offsets, G, softmax_scale * 1.4426950408889634, plan.num_ctas)
-    return out
-
-
-def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,
-                     page_size: int, device, num_ctas: Optional[int] = None,
-                     out: Optional[DevicePlan] = None) -> DevicePlan:
-    """Run the host planner and place its work list on ``device``.
-
-    With ``out`` given, the plan is written into its preallocated buffers in place (CUDA-graph
-    safe: same addresses every step); otherwise fresh tensors are allocated.
-    """
-    import numpy as np
-
-    from .planner import plan as host_plan
-
-    if num_ctas is None:
-        num_ctas = num_sms(torch.device(device)) if torch.cuda.is_available() else 132
-    qsl = np.asarray(query_start_loc_cpu, dtype=np.int32)
-    sl = np.asarray(seq_lens_cpu, dtype=np.int32)
-    p = host_plan(qsl, sl, num_kv_heads=num_kv_heads, group_size=group_size,
-                  page_size=page_size, num_ctas=num_ctas, allow_split=False)
-    work = torch.from_numpy(np.ascontiguousarray(p.work, dtype=np.int32).reshape(-1, 8))
-    offsets = torch.from_numpy(np.ascontiguousarray(p.cta_offsets, dtype=np.int32))
-    if out is None:
-        n = max(1, work.shape[0])
-        w = torch.zeros((n, 8), dtype=torch.int32)
-        w[: work.shape[0]] = work
-        return DevicePlan(w.to(device), offsets.to(device), num_ctas)
-    if work.shape[0] > out.work.shape[0] or offsets.shape[0] != out.cta_offsets.shape[0]:
-        raise ValueError("plan does not fit the preallocated device plan buffers")
-    out.work[: work.shape[0]].copy_(work, non_blocking=True)
-    out.cta_offsets.copy_(offsets, non_blocking=True)
+    _compiled(variant)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                       plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
+                       plan.partial_lse, G, softmax_scale * 1.4426950408889634, plan.num_ctas)
+    if plan.always_combine or plan.num_groups > 0:
+        _compiled_combine(variant)(out, query_start_loc, plan.combine, plan.partial_o,
+                                   plan.partial_lse, G, plan.num_ctas)
     return out

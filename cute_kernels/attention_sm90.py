@@ -17,7 +17,8 @@ CTA layout (256 threads, two warpgroups):
     in fp32 registers (exp2, causal / length masking on boundary pages only), P converted to
     16-bit in registers and O += P V on wgmma (A from registers, B = V from shared memory),
     then O / l stored to global memory for the valid rows.
-This v1 kernel runs every item to completion (the planner is called without split-KV).
+Split-KV items (work col 7 > 1, ``partial_offsets[item] >= 0``) write their O / l in fp32 and
+their log2-sum-exp to a workspace instead; ``combine_sm90.py`` merges the splits exactly.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class IonAttentionSm90:
     """
 
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
-                 kv_stages: int = 4, q_stages: int = 2):
+                 kv_stages: int = 2, q_stages: int = 2, ctas_per_sm: int = 2):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -63,8 +64,11 @@ class IonAttentionSm90:
         self.kv_stages = kv_stages
         self.q_stages = q_stages
         self.threads = 256
+        # two CTAs per SM: 2 x 256 threads share the 64K-register file, so per CTA
+        # 128 x 24 (producer) + 128 x 232 (consumer) = 32768 registers
+        self.ctas_per_sm = ctas_per_sm
         self.producer_regs = 24
-        self.consumer_regs = 240
+        self.consumer_regs = 232 if ctas_per_sm == 2 else 240
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -79,6 +83,9 @@ class IonAttentionSm90:
         mBlockTable: cute.Tensor,  # int32 [B, max_pages]
         mWork: cute.Tensor,       # int32 [N, 8]
         mOffsets: cute.Tensor,    # int32 [C+1]
+        mPartialOffsets: cute.Tensor,  # int32 [N]: first partial row of a split item, -1 if unsplit
+        mOPartial: cute.Tensor,   # fp32 [R, D]: split-KV partial outputs (normalised by own l)
+        mLsePartial: cute.Tensor,  # fp32 [R]: split-KV partial log2-sum-exp (scaled units)
         group_size: cutlass.Int32,
         softmax_scale_log2: cutlass.Float32,
         num_ctas: cutlass.Int32,
@@ -141,22 +148,26 @@ class IonAttentionSm90:
         @cute.struct
         class SharedStorage:
             q_mbar: cute.struct.MemRange[cutlass.Int64, self.q_stages * 2]
-            kv_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            k_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            v_mbar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(q_smem_staged)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_smem_staged)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(k_smem_staged)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(v_smem_staged)], 1024]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, group_size, softmax_scale_log2,
+            mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
+            mLsePartial, group_size, softmax_scale_log2,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100,  # percent: all of the unified L1/smem as smem
         )
 
     # ---------------------------------------------------------------- device side
@@ -177,6 +188,9 @@ class IonAttentionSm90:
         mBlockTable: cute.Tensor,
         mWork: cute.Tensor,
         mOffsets: cute.Tensor,
+        mPartialOffsets: cute.Tensor,
+        mOPartial: cute.Tensor,
+        mLsePartial: cute.Tensor,
         group_size: cutlass.Int32,
         scale_log2: cutlass.Float32,
         q_smem_staged: cute.ComposedLayout,
@@ -205,8 +219,16 @@ class IonAttentionSm90:
             tx_count=self.q_bytes,
             defer_sync=True,
         )
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_mbar.data_ptr(),
+        k_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_mbar.data_ptr(),
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=self.kv_bytes,
+            defer_sync=True,
+        )
+        v_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_mbar.data_ptr(),
             num_stages=self.kv_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
@@ -214,11 +236,12 @@ class IonAttentionSm90:
             defer_sync=True,
         )
         q_prod, q_cons = q_pipe.make_participants()
-        kv_prod, kv_cons = kv_pipe.make_participants()
+        k_prod, k_cons = k_pipe.make_participants()
+        v_prod, v_cons = v_pipe.make_participants()
 
         sQ = storage.sQ.get_tensor(q_smem_staged.outer, swizzle=q_smem_staged.inner)
-        sK = storage.sKV.get_tensor(k_smem_staged.outer, swizzle=k_smem_staged.inner)
-        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, v_smem_staged.inner), v_smem_staged.outer)
+        sK = storage.sK.get_tensor(k_smem_staged.outer, swizzle=k_smem_staged.inner)
+        sV = storage.sV.get_tensor(v_smem_staged.outer, swizzle=v_smem_staged.inner)
         # (Gp, TPT, D, stages) view of the Q buffer for the TMA box
         sQ_box = cute.make_tensor(
             cute.recast_ptr(sQ.iterator, q_smem_box.inner),
@@ -266,16 +289,20 @@ class IonAttentionSm90:
                               tma_bar_ptr=q_handle.barrier)
                     for p in cutlass.range(p0, p1, 1, unroll=1):
                         page = mBlockTable[b, p]
-                        k_handle = kv_prod.acquire_and_advance()
+                        k_handle = k_prod.acquire_and_advance()
                         cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
                                   tKsK[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
-                        v_handle = kv_prod.acquire_and_advance()
+                        v_handle = v_prod.acquire_and_advance()
                         cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
                                   tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
         else:
             # ------------------------------------------------------------ consumer
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             ctid = tidx - 128
+            # accumulate-always: S is zeroed in registers before each QK^T, so the tiled MMAs
+            # are never mutated inside the dynamic loops
+            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             qk_thr = qk_mma.get_slice(ctid)
             pv_thr = pv_mma.get_slice(ctid)
             tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
@@ -290,11 +317,9 @@ class IonAttentionSm90:
             rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
             row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
             row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+            corr = cute.make_rmem_tensor((2,), cutlass.Float32)
             n_s = cute.size(acc_s)
             n_o = cute.size(acc_o)
-            k_blocks_qk = cute.size(tSrQ, mode=[2])
-            k_blocks_pv = cute.size(tOrV, mode=[2])
-            minus_inf = -cutlass.Float32.inf
 
             for it in cutlass.range(item_begin, item_end, 1, unroll=1):
                 b = mWork[it, W_REQ]
@@ -308,87 +333,156 @@ class IonAttentionSm90:
                 # absolute position of the tile's first token
                 pos0 = seq_len - q_len + q_start
 
-                row_max[0] = minus_inf
-                row_max[1] = minus_inf
+                row_max[0] = -cutlass.Float32.inf
+                row_max[1] = -cutlass.Float32.inf
                 row_sum[0] = cutlass.Float32(0.0)
                 row_sum[1] = cutlass.Float32(0.0)
                 acc_o.fill(0.0)
 
                 q_handle = q_cons.wait_and_advance()
-                for p in cutlass.range(p0, p1, 1, unroll=1):
-                    k_handle = kv_cons.wait_and_advance()
-                    cute.nvgpu.warpgroup.fence()
-                    for kb in cutlass.range_constexpr(k_blocks_qk):
-                        qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, q_handle.index)],
-                                  tSrK[(None, None, kb, k_handle.index)], acc_s)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(0)
+                # first page: S = Q K^T, softmax -> P
+                k_handle = k_cons.wait_and_advance()
+                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_handle.index, k_handle.index)
+                cute.nvgpu.warpgroup.wait_group(0)
+                k_handle.release()
+                self._mask(acc_s, tScS, p0 * P, pos0, seq_len)
+                self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
+                rP_as_s.store(acc_s.load().to(self.dtype))
+                # steady state: S_p = Q K_p^T runs on the tensor cores while the softmax of the
+                # previous page is consumed by O += P V_{p-1}; O is rescaled once that PV is done.
+                for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
+                    k_handle = k_cons.wait_and_advance()
+                    self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_handle.index, k_handle.index)
+                    v_handle = v_cons.wait_and_advance()
+                    self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
-
-                    # Masking: only pages that reach past the first row's position or the
-                    # sequence end need it (causal diagonal / ragged tail).
-                    kv0 = p * P
-                    if kv0 + P - 1 > pos0:
-                        for e in cutlass.range_constexpr(n_s):
-                            kv = kv0 + tScS[e][1]
-                            qpos = pos0 + tScS[e][0] // Gp
-                            if kv > cutlass.min(qpos, seq_len - 1):
-                                acc_s[e] = minus_inf
-
-                    # online softmax; a thread holds rows slot 0 and 1 (elements e with
-                    # (e // 2) % 2 == slot, per the wgmma accumulator layout)
-                    for slot in cutlass.range_constexpr(2):
-                        mx = row_max[slot]
-                        for e in cutlass.range_constexpr(n_s):
-                            if cutlass.const_expr((e // 2) % 2 == slot):
-                                mx = cute.arch.fmax(mx, acc_s[e])
-                        mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
-                        m_use = mx
-                        if mx == minus_inf:
-                            m_use = cutlass.Float32(0.0)
-                        corr = cute.math.exp2((row_max[slot] - m_use) * scale_log2, fastmath=True)
-                        m_scaled = m_use * scale_log2
-                        psum = cutlass.Float32(0.0)
-                        for e in cutlass.range_constexpr(n_s):
-                            if cutlass.const_expr((e // 2) % 2 == slot):
-                                pe = cute.math.exp2(acc_s[e] * scale_log2 - m_scaled, fastmath=True)
-                                acc_s[e] = pe
-                                psum = psum + pe
-                        row_sum[slot] = row_sum[slot] * corr + psum
-                        row_max[slot] = mx
-                        for e in cutlass.range_constexpr(n_o):
-                            if cutlass.const_expr((e // 2) % 2 == slot):
-                                acc_o[e] = acc_o[e] * corr
-
-                    rP_as_s.store(acc_s.load().to(self.dtype))
-
-                    v_handle = kv_cons.wait_and_advance()
-                    cute.nvgpu.warpgroup.fence()
-                    pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    for kb in cutlass.range_constexpr(k_blocks_pv):
-                        cute.gemm(pv_mma, acc_o, rP[(None, None, kb)],
-                                  tOrV[(None, None, kb, v_handle.index)], acc_o)
-                    cute.nvgpu.warpgroup.commit_group()
+                    self._mask(acc_s, tScS, p * P, pos0, seq_len)
+                    self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                     cute.nvgpu.warpgroup.wait_group(0)
                     v_handle.release()
+                    self._rescale(acc_o, corr)
+                    rP_as_s.store(acc_s.load().to(self.dtype))
+                v_handle = v_cons.wait_and_advance()
+                self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+                cute.nvgpu.warpgroup.wait_group(0)
+                v_handle.release()
                 q_handle.release()
 
                 # ---------------------------------------------------------- epilogue
                 for slot in cutlass.range_constexpr(2):
                     row_sum[slot] = cute.arch.warp_reduction_sum(row_sum[slot], threads_in_group=4)
                 row0 = tOcO[0][0]
-                for slot in cutlass.range_constexpr(2):
-                    row = row0 + slot * 8
-                    t_local = row // Gp
-                    g = row % Gp
+                poff = mPartialOffsets[it]
+                if poff < 0:
+                    self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
+                                    mQSL[b] + q_start, h * group_size)
+                else:
+                    self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial,
+                                        row0, q_cnt, group_size, poff, scale_log2)
+
+    # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage):
+        acc_s.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(qk_mma, acc_s, tSrQ[(None, None, kb, q_stage)],
+                      tSrK[(None, None, kb, k_stage)], acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pv_mma, acc_o, rP, tOrV, v_stage):
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+            cute.gemm(pv_mma, acc_o, rP[(None, None, kb)], tOrV[(None, None, kb, v_stage)], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mask(self, acc_s, tScS, kv0, pos0, seq_len):
+        """-inf where key position > query position (causal) or >= seq_len (ragged tail).
+        Only pages reaching past the tile's first query position can hold masked keys."""
+        if kv0 + self.page - 1 > pos0:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                kv = kv0 + tScS[e][1]
+                qpos = pos0 + tScS[e][0] // self.group_pad
+                if kv > cutlass.min(qpos, seq_len - 1):
+                    acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):
+        """In place: acc_s <- exp2(scale*(s - m_new)); row_sum <- row_sum*corr + sum; corr is
+        the factor O must be multiplied by.  A thread holds two rows (slot 0/1): accumulator
+        elements e with (e // 2) % 2 == slot, per the wgmma C-fragment layout; the other
+        columns of a row live in the 3 other threads of the quad."""
+        n_s = cute.size(acc_s)
+        for slot in cutlass.range_constexpr(2):
+            mx = row_max[slot]
+            for e in cutlass.range_constexpr(n_s):
+                if cutlass.const_expr((e // 2) % 2 == slot):
+                    mx = cute.arch.fmax(mx, acc_s[e])
+            mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
+            m_use = mx
+            if mx == -cutlass.Float32.inf:
+                m_use = cutlass.Float32(0.0)
+            corr[slot] = cute.math.exp2((row_max[slot] - m_use) * scale_log2, fastmath=True)
+            m_scaled = m_use * scale_log2
+            psum = cutlass.Float32(0.0)
+            for e in cutlass.range_constexpr(n_s):
+                if cutlass.const_expr((e // 2) % 2 == slot):
+                    pe = cute.math.exp2(acc_s[e] * scale_log2 - m_scaled, fastmath=True)
+                    acc_s[e] = pe
+                    psum = psum + pe
+            row_sum[slot] = row_sum[slot] * corr[slot] + psum
+            row_max[slot] = mx
+
+    @cute.jit
+    def _rescale(self, acc_o, corr):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * corr[(e // 2) % 2]
+
+    @cute.jit
+    def _store_out(self, acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size, tok_base, head_base):
+        """O / l as 16-bit pairs: elements e, e+1 are columns c, c+1 of one row (4-byte store)."""
+        mO_pairs = cute.recast_tensor(mO, cutlass.Uint32)   # (T, Hq, D/2)
+        pair = cute.make_rmem_tensor((2,), self.dtype)
+        pair_word = cute.recast_tensor(pair, cutlass.Uint32)
+        for slot in cutlass.range_constexpr(2):
+            row = row0 + slot * 8
+            t_local = row // self.group_pad
+            g = row % self.group_pad
+            inv = cutlass.Float32(0.0)
+            if row_sum[slot] > 0.0:
+                inv = cute.arch.rcp_approx(row_sum[slot])
+            if t_local < q_cnt:
+                if g < group_size:
+                    tok = tok_base + t_local
+                    head = head_base + g
+                    for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
+                        if cutlass.const_expr((e // 2) % 2 == slot):
+                            pair[0] = (acc_o[e] * inv).to(self.dtype)
+                            pair[1] = (acc_o[e + 1] * inv).to(self.dtype)
+                            mO_pairs[tok, head, tOcO[e][1] // 2] = pair_word[0]
+
+    @cute.jit
+    def _store_partial(self, acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial, row0, q_cnt,
+                       group_size, poff, scale_log2):
+        """Split-KV partial: O / l (fp32) and lse2 = m * scale_log2 + log2(l) per packed row
+        ``poff + t * Gp + g`` (layout shared with the planner and combine.py)."""
+        for slot in cutlass.range_constexpr(2):
+            row = row0 + slot * 8
+            t_local = row // self.group_pad
+            g = row % self.group_pad
+            if t_local < q_cnt:
+                if g < group_size:
+                    prow = poff + row
                     inv = cutlass.Float32(0.0)
+                    lse2 = -cutlass.Float32.inf
                     if row_sum[slot] > 0.0:
                         inv = cute.arch.rcp_approx(row_sum[slot])
-                    if t_local < q_cnt:
-                        if g < group_size:
-                            tok = mQSL[b] + q_start + t_local
-                            head = h * group_size + g
-                            for e in cutlass.range_constexpr(n_o):
-                                if cutlass.const_expr((e // 2) % 2 == slot):
-                                    mO[tok, head, tOcO[e][1]] = (acc_o[e] * inv).to(self.dtype)
+                        lse2 = row_max[slot] * scale_log2 + cute.math.log2(row_sum[slot], fastmath=True)
+                    if tOcO[0][1] == 0:
+                        mLsePartial[prow] = lse2
+                    for e in cutlass.range_constexpr(cute.size(acc_o)):
+                        if cutlass.const_expr((e // 2) % 2 == slot):
+                            mOPartial[prow, tOcO[e][1]] = acc_o[e] * inv

@@ -13,6 +13,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_GROUP_PADS = (1, 2, 4, 8)
 PAGE_SIZE = 64
 MAX_GROUP = 8
+# resident CTAs per SM of the persistent grid (registers and smem are sized for two)
+CTAS_PER_SM = 2
 
 
 class Variant(NamedTuple):

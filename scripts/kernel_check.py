@@ -35,16 +35,19 @@ CASES = [
     ("mixed-g4-fp16", [1, 70, 1], [3000, 200, 64], 16, 4, 128, torch.float16),
     ("mixed-g8-d64", [2, 1, 65], [2, 513, 128], 32, 4, 64, torch.bfloat16),
     ("long-decode-g7", [1, 1], [32768, 20000], 28, 4, 128, torch.bfloat16),
+    ("split-decode-g7", [1] * 8, [32768, 1, 64, 6000, 12345, 129, 4096, 30000], 28, 4, 128,
+     torch.bfloat16),
+    ("split-chunk-g4-d64", [1, 200, 1], [50000, 9000, 777], 16, 4, 64, torch.bfloat16),
 ]
 
 
-def check_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, seed):
+def check_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, seed, allow_split=True):
     case = make_paged_case(seed, q_lens, seq_lens, Hq, Hkv, D, page=64, dtype=dtype, device="cuda")
     q, kc, vc, qsl, sl, bt = case
     scale = 1.0 / math.sqrt(D)
     out = torch.full_like(q, float("nan"))
     plan = make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=Hkv, group_size=Hq // Hkv,
-                            page_size=64, device="cuda")
+                            page_size=64, head_dim=D, device="cuda", allow_split=allow_split)
     ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan)
     torch.cuda.synchronize()
     ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
@@ -54,7 +57,8 @@ def check_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, seed):
     untouched_ok = bool(torch.isnan(out[~mask]).all()) if (~mask).any() else True
     ok = err <= 1e-2 and not nan_written and untouched_ok
     return dict(case=name, rel_err=float(err), nan_in_written=nan_written,
-                untouched_rows_poisoned=untouched_ok, ok=ok)
+                untouched_rows_poisoned=untouched_ok, ok=ok, split_groups=plan.num_groups,
+                max_splits=plan.host.num_splits_max)
 
 
 def time_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, iters=50):
@@ -72,7 +76,7 @@ def time_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, iters=50):
             break
     q, kc, vc, qsl, sl, bt = cases[0]
     plan = make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=Hkv, group_size=Hq // Hkv,
-                            page_size=64, device="cuda")
+                            page_size=64, head_dim=D, device="cuda")
     outs = [torch.empty_like(c.q) for c in cases]
     scale = 1.0 / math.sqrt(D)
 
@@ -102,7 +106,8 @@ def time_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, iters=50):
         keys = ql * (L - ql) + ql * (ql + 1) / 2
         flops += 4 * keys * Hq * D
     return dict(case=name, median_us=med, gbps=bytes_moved / med / 1e3,
-                tflops=flops / med / 1e6, rotations=len(cases))
+                tflops=flops / med / 1e6, rotations=len(cases), split_groups=plan.num_groups,
+                max_splits=plan.host.num_splits_max)
 
 
 TIMING = [
@@ -110,6 +115,9 @@ TIMING = [
     ("decode-128x2048", [1] * 128, [2048] * 128, 28, 4, 128, torch.bfloat16),
     ("prefill-8192", [8192], [8192], 28, 4, 128, torch.bfloat16),
     ("decode32x8k+prefill2048", [1] * 32 + [2048], [8192] * 32 + [2048], 28, 4, 128, torch.bfloat16),
+    ("decode-8x32768", [1] * 8, [32768] * 8, 28, 4, 128, torch.bfloat16),
+    ("decode-32-skewed", [1] * 32, [int(x) for x in torch.randint(512, 16385, (32,),
+     generator=torch.Generator().manual_seed(0))], 28, 4, 128, torch.bfloat16),
 ]
 
 
@@ -144,7 +152,7 @@ def main():
     for r in results:
         print(f"| {r['case']} | {r['ok']} | {r.get('rel_err', r.get('error'))} |")
     for r in timings:
-        print(f"| {r['case']} | {r['median_us']:.1f} us | {r['gbps']:.0f} GB/s | {r['tflops']:.0f} TFLOP/s |")
+        print(f"| {r['case']} | {r['median_us']:.1f} us | {r['gbps']:.0f} GB/s | {r['tflops']:.0f} TFLOP/s | splits {r['max_splits']} |")
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

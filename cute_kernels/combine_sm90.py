@@ -1,0 +1,77 @@
+"""Split-KV combine pass (CuTeDSL): merges the fp32 partials of split (b, h, q tile) groups.
+
+Group row ``(b, h, tok0, ntok, S, base)`` (planner ``Plan.combine``): split ``s`` of packed row
+``r = t * Gp + g`` lives at workspace row ``base + s * ntok * Gp + r`` holding ``O_s / l_s`` and
+``lse2_s = m_s * scale_log2 + log2(l_s)``.  The exact merge is
+
+    out = sum_s 2^(lse2_s - M) * O_s / sum_s 2^(lse2_s - M),   M = max_s lse2_s
+
+written as 16-bit into ``out[qsl[b] + tok0 + t, h * G + g, :]``.  The grid is fixed (a
+persistent loop over the group buffer's capacity, padding rows have ntok == 0), so the launch
+is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+C_REQ, C_HEAD, C_TOK0, C_NTOK, C_NSPLIT, C_BASE = range(6)
+
+
+class CombineSm90:
+    def __init__(self, dtype, head_dim: int, group_pad: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.group_pad = group_pad
+        self.threads = 128
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
+                 mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32,
+                 num_ctas: cutlass.Int32, stream):
+        self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, group_size).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
+               mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
+        D = self.head_dim
+        Gp = self.group_pad
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        # threads split as (rows in flight) x (columns): D=128 -> 1 x 128, D=64 -> 2 x 64
+        rows_per_pass = self.threads // D
+        col = tidx % D
+        sub = tidx // D
+        n_groups = mCombine.shape[0]
+        for gi in cutlass.range(bidx, n_groups, gdim, unroll=1):
+            ntok = mCombine[gi, C_NTOK]
+            if ntok > 0:
+                b = mCombine[gi, C_REQ]
+                h = mCombine[gi, C_HEAD]
+                n_split = mCombine[gi, C_NSPLIT]
+                base = mCombine[gi, C_BASE]
+                tok_base = mQSL[b] + mCombine[gi, C_TOK0]
+                split_stride = ntok * Gp
+                n_rows = ntok * group_size
+                for r in cutlass.range(sub, n_rows, rows_per_pass, unroll=1):
+                    t = r // group_size
+                    g = r % group_size
+                    prow = base + t * Gp + g
+                    m = -cutlass.Float32.inf
+                    for s in cutlass.range(n_split, unroll=1):
+                        m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
+                    if m == -cutlass.Float32.inf:
+                        m = cutlass.Float32(0.0)
+                    num = cutlass.Float32(0.0)
+                    den = cutlass.Float32(0.0)
+                    for s in cutlass.range(n_split, unroll=1):
+                        w = cute.math.exp2(mLsePartial[prow + s * split_stride] - m, fastmath=True)
+                        num = num + w * mOPartial[prow + s * split_stride, col]
+                        den = den + w
+                    res = cutlass.Float32(0.0)
+                    if den > 0.0:
+                        res = num / den
+                    mO[tok_base + t, h * group_size + g, col] = res.to(self.dtype)

@@ -1,0 +1,573 @@
+"""Phantom-pass work planner for IonAttention (pure numpy, no torch / vLLM imports).
+
+Given the batch layout (``query_start_loc``, ``seq_lens``) the planner enumerates every
+(request, KV head, q tile, KV split) tile the causal paged-attention kernel has to run,
+drops every phantom (requests without new tokens or without KV, pages past the sequence,
+pages fully masked by causality for the tile), decides per (request, head, q tile)
+whether to split the KV range flash-decoding style, and balances the surviving items over
+``num_ctas`` persistent CTAs.  The output layout is the binding work list of
+``docs/contract.md``; the cost model is documented in ``docs/planner.md``.
+
+Split-KV partial-output layout (shared with the kernel and its combine pass):
+  * fp32 workspace ``partial_o [partial_rows, D]`` plus ``partial_lse [partial_rows]``.
+  * A split group (b, h, q tile) with ``S`` splits and ``ntok`` tokens owns
+    ``S * ntok * Gp`` consecutive rows starting at its ``base`` (``Plan.combine[:, 5]``);
+    split ``s`` writes rows ``base + s * ntok * Gp + r`` where ``r = t * Gp + g`` is the
+    packed MMA row (token ``t`` of the tile, group head ``g``; rows with ``g >= G`` are
+    padding and need not be written).  ``Plan.partial_offsets[i]`` is that split's first
+    row (``base + s * ntok * Gp``), ``-1`` for unsplit items.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "CostModel",
+    "DEFAULT_COST_MODEL",
+    "Plan",
+    "WORK_COLS",
+    "COMBINE_COLS",
+    "next_pow2",
+    "plan",
+    "pack_plan",
+    "worst_case_items",
+]
+
+WORK_COLS = 8
+COMBINE_COLS = 6  # b, h, tok0, ntok, num_splits, partial row base
+
+# Only a few of the best split candidates (ranked by a lower bound) are scheduled for real.
+_MAX_SPLIT_EVALS = 3
+# Exact-LPT rounds before the remaining items are water-filled (keeps plan() O(fast)).
+_MAX_LPT_ROUNDS = 64
+_MAX_FILL_CLASSES = 24
+_BIG_FRAC = 1.0 / 16.0  # items above this fraction of the mean load go through exact LPT
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    x = int(x)
+    if x < 1:
+        raise ValueError(f"next_pow2 needs x >= 1, got {x}")
+    return 1 << (x - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Analytic per-item cost model, in microseconds of one CTA (one SM).
+
+    item(pages, rows, split) = item_overhead_us                      (prologue/epilogue, fixed)
+                             + rows * D * q_bytes / bw                (Q tile load)
+                             + pages * max(page_mem, page_mma)        (KV main loop, overlapped)
+                             + store(rows, split)                     (out or fp32 partial)
+      page_mem = 2 * page_size * D * kv_bytes / bw                    (K page + V page)
+      page_mma = 4 * max(rows, min_mma_rows) * page_size * D / flops  (QK^T and PV GEMMs)
+      store    = rows * D * q_bytes / bw                              (unsplit: writes out)
+               | split_item_overhead_us + rows * (D + 1) * partial_bytes / bw   (split)
+    combine(groups) = combine_launch_us
+                    + sum_g (S_g * rows_g * (D + 1) * partial_bytes + rows_g * D * q_bytes)
+                      / (bw * num_ctas)          (separate pass, all CTAs, bandwidth bound)
+    where bw is bytes/us per CTA and flops is flop/us per CTA.
+    """
+
+    head_dim: int = 128
+    kv_bytes: int = 2
+    q_bytes: int = 2
+    partial_bytes: int = 4
+    hbm_gbps_per_cta: float = 4800.0 / 132.0  # H200 HBM3e shared by 132 SMs
+    mma_tflops_per_cta: float = 989.0 / 132.0  # H200 dense bf16 wgmma per SM
+    min_mma_rows: int = 64  # wgmma M granularity: a tile always computes 64 rows
+    item_overhead_us: float = 1.0
+    split_item_overhead_us: float = 0.25
+    combine_launch_us: float = 3.0
+    # Split-KV is only used when it lowers the modeled time by more than this fraction of
+    # the no-split time (hysteresis against model error; the combine pass is real work).
+    split_min_gain: float = 0.03
+
+    @property
+    def bytes_per_us(self) -> float:
+        return self.hbm_gbps_per_cta * 1e3
+
+    @property
+    def flops_per_us(self) -> float:
+        return self.mma_tflops_per_cta * 1e6
+
+    def page_us(self, rows, page_size: int) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.float64)
+        d = self.head_dim
+        mem = 2.0 * page_size * d * self.kv_bytes / self.bytes_per_us
+        mma = 4.0 * np.maximum(rows, self.min_mma_rows) * page_size * d / self.flops_per_us
+        return np.maximum(mem, mma)
+
+    def fixed_us(self, rows, split) -> np.ndarray:
+        """Per-item cost that does not depend on the number of pages."""
+        rows = np.asarray(rows, dtype=np.float64)
+        d = self.head_dim
+        bw = self.bytes_per_us
+        q_load = rows * d * self.q_bytes / bw
+        store_out = rows * d * self.q_bytes / bw
+        store_part = self.split_item_overhead_us + rows * (d + 1) * self.partial_bytes / bw
+        return self.item_overhead_us + q_load + np.where(split, store_part, store_out)
+
+    def item_us(self, pages, rows, page_size: int, split) -> np.ndarray:
+        pages = np.asarray(pages, dtype=np.float64)
+        return self.fixed_us(rows, split) + pages * self.page_us(rows, page_size)
+
+    def combine_us(self, splits, rows, num_ctas: int) -> float:
+        """Modeled wall time of the combine pass for split groups (0 if there is none)."""
+        splits = np.asarray(splits, dtype=np.float64)
+        if splits.size == 0:
+            return 0.0
+        rows = np.asarray(rows, dtype=np.float64)
+        d = self.head_dim
+        nbytes = np.sum(splits * rows * (d + 1) * self.partial_bytes + rows * d * self.q_bytes)
+        return float(self.combine_launch_us + nbytes / (self.bytes_per_us * num_ctas))
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+@dataclass(frozen=True)
+class Plan:
+    work: np.ndarray  # int32 [n_items, 8], columns as docs/contract.md
+    cta_offsets: np.ndarray  # int32 [num_ctas + 1]
+    num_splits_max: int  # max col 7 (1 = no split anywhere)
+    partial_rows: int  # fp32 partial rows needed (0 when no split)
+    cta_cost: np.ndarray  # float64 [num_ctas], modeled us per CTA (main pass)
+    item_cost: np.ndarray  # float64 [n_items], modeled us per item (row-aligned with work)
+    partial_offsets: np.ndarray  # int32 [n_items], first partial row of a split item, -1 if unsplit
+    combine: np.ndarray  # int32 [n_groups, 6]: b, h, tok0, ntok, num_splits, partial row base
+    modeled_us: float  # max(cta_cost) + combine pass (if any split)
+
+    @property
+    def n_items(self) -> int:
+        return int(self.work.shape[0])
+
+    @property
+    def num_ctas(self) -> int:
+        return int(self.cta_offsets.shape[0] - 1)
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+
+def _as_int_vector(x, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def _water_fill(sc: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """Assign items ``sc`` (sorted by decreasing cost) on top of ``loads`` (updated in
+    place) by water filling: find the level W with sum(max(0, W - load)) == sum(sc), lay
+    the CTAs' deficits W - load end to end (least-loaded CTA first) and give each item to
+    the CTA whose deficit interval contains the item's midpoint on the cumulative-cost
+    line.  Every receiving CTA ends <= W + max(sc) and W <= final mean load."""
+    c = loads.shape[0]
+    perm = np.argsort(loads, kind="stable")
+    lo = loads[perm]
+    rest = float(sc.sum())
+    levels = (np.cumsum(lo) + rest) / np.arange(1, c + 1)
+    above = np.flatnonzero(levels[:-1] <= lo[1:])
+    k = int(above[0]) + 1 if above.size else c  # number of CTAs under water
+    level = levels[k - 1]
+    deficit = np.maximum(level - lo[:k], 0.0)
+    ends = np.cumsum(deficit)
+    mids = np.cumsum(sc) - 0.5 * sc
+    pos = np.minimum(np.searchsorted(ends, mids, side="right"), k - 1)
+    tgt = perm[pos]
+    loads += np.bincount(tgt, weights=sc, minlength=c)
+    return tgt
+
+
+def _balance(costs: np.ndarray, num_ctas: int):
+    """Cost balancing of items over CTAs (LPT quality, vectorized, deterministic).
+
+    1. Items costing more than ``_BIG_FRAC * mean`` go through exact LPT in decreasing
+       cost order (ties: item index), each to the currently least-loaded CTA (ties: CTA
+       index), batched: one numpy round assigns the longest prefix of LPT decisions that
+       land on distinct CTAs in increasing-load order.
+    2. The rest is grouped into size classes a factor 2 apart; class by class, biggest
+       first, items (in index order) are water-filled on top of the current loads
+       (``_water_fill``), each class evening out what the bigger ones left behind.
+    Both phases keep every CTA at most ``mean + max item`` (docs/planner.md).
+    Returns (cta per item int64, loads float64 [num_ctas]).
+    """
+    n = costs.shape[0]
+    cta = np.empty(n, dtype=np.int64)
+    loads = np.zeros(num_ctas, dtype=np.float64)
+    if n <= num_ctas:
+        order = np.argsort(-costs, kind="stable")
+        cta[order] = np.arange(n)
+        loads[:n] = costs[order]
+        return cta, loads
+    mean = float(costs.sum()) / num_ctas
+    big = np.flatnonzero(costs > _BIG_FRAC * mean)
+    rest = np.flatnonzero(costs <= _BIG_FRAC * mean)
+    if big.size:
+        order = big[np.argsort(-costs[big], kind="stable")]
+        sc = costs[order]
+        nb = order.shape[0]
+        i = 0
+        rounds = 0
+        while i < nb and rounds < _MAX_LPT_ROUNDS:
+            perm = np.argsort(loads, kind="stable")
+            lo = loads[perm]
+            m = min(num_ctas, nb - i)
+            if m > 1:
+                reach = np.minimum.accumulate(lo[: m - 1] + sc[i : i + m - 1])
+                stop = np.flatnonzero(lo[1:m] > reach)
+                if stop.size:
+                    m = int(stop[0]) + 1
+            tgt = perm[:m]
+            cta[order[i : i + m]] = tgt
+            loads[tgt] += sc[i : i + m]
+            i += m
+            rounds += 1
+        if i < nb:  # LPT round budget exhausted: the tail joins the water-filled items
+            rest = np.sort(np.concatenate([order[i:], rest]))
+    if rest.size:
+        c = costs[rest]
+        cmax = float(c.max())
+        if cmax > 0.0:
+            ratio = cmax / np.maximum(c, cmax * 2.0 ** -(_MAX_FILL_CLASSES - 1))
+            cls = np.minimum(np.floor(np.log2(ratio)), _MAX_FILL_CLASSES - 1).astype(np.uint8)
+        else:
+            cls = np.zeros(rest.shape[0], dtype=np.uint8)
+        by_cls = np.argsort(cls, kind="stable")  # radix sort; index order inside a class
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(cls, minlength=_MAX_FILL_CLASSES))])
+        for k in range(_MAX_FILL_CLASSES):
+            if bounds[k + 1] > bounds[k]:
+                seg = rest[by_cls[bounds[k] : bounds[k + 1]]]
+                cta[seg] = _water_fill(costs[seg], loads)
+    return cta, loads
+
+
+def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
+    """Tile -> item expansion: (tile index, split index, first page, end page) per item."""
+    total = int(splits.sum())
+    tile = np.repeat(np.arange(n_pages.shape[0], dtype=np.int64), splits)
+    starts = np.cumsum(splits) - splits
+    sidx = np.arange(total, dtype=np.int64) - starts[tile]
+    s = splits[tile]
+    n = n_pages[tile]
+    p0 = sidx * n // s
+    p1 = (sidx + 1) * n // s
+    return tile, sidx, p0, p1
+
+
+def _empty_plan(num_ctas: int) -> Plan:
+    return Plan(
+        work=np.zeros((0, WORK_COLS), dtype=np.int32),
+        cta_offsets=np.zeros(num_ctas + 1, dtype=np.int32),
+        num_splits_max=1,
+        partial_rows=0,
+        cta_cost=np.zeros(num_ctas, dtype=np.float64),
+        item_cost=np.zeros(0, dtype=np.float64),
+        partial_offsets=np.zeros(0, dtype=np.int32),
+        combine=np.zeros((0, COMBINE_COLS), dtype=np.int32),
+        modeled_us=0.0,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# planner
+# --------------------------------------------------------------------------------------
+
+
+def plan(
+    query_start_loc,
+    seq_lens,
+    *,
+    num_kv_heads: int,
+    group_size: int,
+    page_size: int = 64,
+    num_ctas: int = 132,
+    tile_m: int = 64,
+    allow_split: bool = True,
+    max_splits: int = 16,
+    cost_model: CostModel | None = None,
+    max_partial_rows: int | None = None,
+) -> Plan:
+    """Build the phantom-free, cost-balanced work list (see module docstring)."""
+    cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
+    num_kv_heads = int(num_kv_heads)
+    group_size = int(group_size)
+    page_size = int(page_size)
+    num_ctas = int(num_ctas)
+    tile_m = int(tile_m)
+    max_splits = int(max_splits)
+    if num_kv_heads < 1 or group_size < 1 or page_size < 1 or num_ctas < 1 or max_splits < 1:
+        raise ValueError("num_kv_heads, group_size, page_size, num_ctas, max_splits must be >= 1")
+    gp = next_pow2(group_size)
+    if tile_m < gp or tile_m % gp:
+        raise ValueError(f"tile_m={tile_m} must be a multiple of Gp={gp}")
+    tpt = tile_m // gp
+
+    qsl = _as_int_vector(query_start_loc, "query_start_loc")
+    sl = _as_int_vector(seq_lens, "seq_lens")
+    if qsl.shape[0] != sl.shape[0] + 1:
+        raise ValueError(f"query_start_loc has {qsl.shape[0]} entries, expected len(seq_lens)+1")
+    if qsl[0] != 0:
+        raise ValueError("query_start_loc[0] must be 0")
+    q_len = np.diff(qsl)
+    if np.any(q_len < 0):
+        raise ValueError("query_start_loc must be non-decreasing")
+    if np.any(sl < 0):
+        raise ValueError("seq_lens must be >= 0")
+    live = (q_len > 0) & (sl > 0)
+    if np.any(live & (sl < q_len)):
+        bad = int(np.flatnonzero(live & (sl < q_len))[0])
+        raise ValueError(f"seq_lens[{bad}]={int(sl[bad])} < q_len={int(q_len[bad])}")
+    if not np.any(live):
+        return _empty_plan(num_ctas)
+    if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
+        raise OverflowError("sequence lengths / token counts must fit in int32")
+
+    # ---- tiles, ordered (b, h, q tile) ---------------------------------------------------
+    h_n = num_kv_heads
+    nt = np.where(live, (q_len + tpt - 1) // tpt, 0)  # q tiles per request
+    per_req = nt * h_n
+    req = np.repeat(np.arange(sl.shape[0], dtype=np.int64), per_req)
+    k = np.arange(req.shape[0], dtype=np.int64) - (np.cumsum(per_req) - per_req)[req]
+    ntr = nt[req]
+    head = k // ntr
+    tok0 = (k % ntr) * tpt
+    ql = q_len[req]
+    ntok = np.minimum(tpt, ql - tok0)
+    last_pos = sl[req] - ql + tok0 + ntok - 1  # absolute position of the tile's last token
+    n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
+    rows = ntok * gp
+
+    # ---- per-tile cost pieces (tables over ntok = 0 .. tpt, then gathered) --------------
+    rows_tab = np.arange(tpt + 1, dtype=np.int64) * gp
+    pu = cm.page_us(rows_tab, page_size)[ntok]
+    f_un = cm.fixed_us(rows_tab, False)[ntok]
+    f_sp = cm.fixed_us(rows_tab, True)[ntok]
+
+    # ---- no-split schedule --------------------------------------------------------------
+    n_tiles = n_pages.shape[0]
+    ones = np.ones(n_tiles, dtype=np.int64)
+    cost0 = f_un + n_pages * pu
+    cta0, loads0 = _balance(cost0, num_ctas)
+    best_total = float(loads0.max())
+    best = (ones, cta0, cost0)
+    mean0 = float(cost0.sum()) / num_ctas
+
+    # ---- split-KV search ----------------------------------------------------------------
+    # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
+    # must beat the no-split makespan by split_min_gain: prune when that is impossible.
+    s_cap = np.minimum(max_splits, n_pages)
+    target = best_total * (1.0 - cm.split_min_gain)
+    if allow_split and max_splits > 1 and int(s_cap.max()) > 1 and mean0 + cm.combine_launch_us < target:
+        # Candidate caps on pages per chunk: a tile with n pages gets min(ceil(n / cap),
+        # max_splits, n) splits; caps are those that split the longest tile 2..max_splits ways.
+        nmax = int(n_pages.max())
+        s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
+        caps = np.unique((nmax + s_try - 1) // s_try)[::-1]
+        # Tiles with identical (pages, rows) behave identically: evaluate unique ones.
+        key = n_pages * (tile_m + 1) + rows
+        _, uidx, ucnt = np.unique(key, return_index=True, return_counts=True)
+        un, ucap, upu = n_pages[uidx], s_cap[uidx], pu[uidx]
+        ucost0, uf_sp, urows = cost0[uidx], f_sp[uidx], rows[uidx]
+        S = np.maximum(np.minimum(-(-un[None, :] // caps[:, None]), ucap[None, :]), 1)
+        sp = S > 1
+        total = ((np.where(sp, S * uf_sp + un * upu, ucost0)) * ucnt).sum(axis=1)
+        max_item = np.where(sp, uf_sp + (-(-un // S)) * upu, ucost0).max(axis=1)
+        min_item = np.where(sp, uf_sp + (un // S) * upu, ucost0).min(axis=1)
+        count = (S * ucnt).sum(axis=1)
+        part_rows = (np.where(sp, S, 0) * urows * ucnt).sum(axis=1)
+        comb_bytes = (
+            np.where(sp, S * urows * (cm.head_dim + 1) * cm.partial_bytes + urows * cm.head_dim * cm.q_bytes, 0)
+            * ucnt
+        ).sum(axis=1)
+        comb = cm.combine_launch_us + comb_bytes / (cm.bytes_per_us * num_ctas)
+        lb = np.maximum(np.maximum(total / num_ctas, max_item), -(-count // num_ctas) * min_item) + comb
+        ok = sp.any(axis=1)
+        if max_partial_rows is not None:
+            ok &= part_rows <= int(max_partial_rows)
+        evals = 0
+        for ci in np.argsort(lb, kind="stable"):
+            if evals >= _MAX_SPLIT_EVALS or lb[ci] >= min(target, best_total):
+                break
+            if not ok[ci]:
+                continue
+            evals += 1
+            s_c = np.maximum(np.minimum(-(-n_pages // caps[ci]), s_cap), 1)
+            tile, _, p0, p1 = _expand_splits(n_pages, s_c)
+            split_c = s_c[tile] > 1
+            cost_c = np.where(split_c, f_sp[tile], f_un[tile]) + (p1 - p0) * pu[tile]
+            cta_c, loads_c = _balance(cost_c, num_ctas)
+            tot_c = float(loads_c.max()) + float(comb[ci])
+            if tot_c < min(target, best_total):
+                best_total = tot_c
+                best = (s_c, cta_c, cost_c)
+
+    # ---- materialize ----------------------------------------------------------------------
+    splits, cta, item_cost = best
+    # Items are generated in (b, h, q tile, split) order; a stable sort by CTA keeps that
+    # order inside each CTA (KV-head locality, deterministic).
+    perm = np.argsort(cta.astype(np.uint16) if num_ctas <= 65536 else cta, kind="stable")
+    n_items = perm.shape[0]
+    split_any = n_items > n_tiles
+    work = np.empty((n_items, WORK_COLS), dtype=np.int32)
+    if split_any:
+        tile, sidx, p0, p1 = _expand_splits(n_pages, splits)
+        tile, sidx = tile[perm], sidx[perm]
+        work[:, 4] = p0[perm]
+        work[:, 5] = p1[perm]
+        work[:, 6] = sidx
+        work[:, 7] = splits[tile]
+    else:
+        tile = perm
+        work[:, 4] = 0
+        work[:, 5] = n_pages[tile]
+        work[:, 6] = 0
+        work[:, 7] = 1
+    work[:, 0] = req[tile]
+    work[:, 1] = head[tile]
+    work[:, 2] = tok0[tile]
+    work[:, 3] = ntok[tile]
+
+    g_idx = np.flatnonzero(splits > 1)
+    grp_rows = splits[g_idx] * rows[g_idx]
+    grp_base = np.cumsum(grp_rows) - grp_rows
+    partial_rows = int(grp_rows.sum())
+    if partial_rows > np.iinfo(np.int32).max:
+        raise OverflowError("partial workspace rows do not fit in int32")
+    if split_any:
+        base_of_tile = np.full(n_tiles, -1, dtype=np.int64)
+        base_of_tile[g_idx] = grp_base
+        poff = np.where(splits[tile] > 1, base_of_tile[tile] + sidx * rows[tile], -1).astype(np.int32)
+    else:
+        poff = np.full(n_items, -1, dtype=np.int32)
+    combine = np.stack(
+        [req[g_idx], head[g_idx], tok0[g_idx], ntok[g_idx], splits[g_idx], grp_base], axis=1
+    ).reshape(-1, COMBINE_COLS).astype(np.int32)
+
+    offsets = np.zeros(num_ctas + 1, dtype=np.int32)
+    np.cumsum(np.bincount(cta, minlength=num_ctas), out=offsets[1:])
+    cta_cost = np.bincount(cta, weights=item_cost, minlength=num_ctas).astype(np.float64)
+    comb_us = cm.combine_us(splits[g_idx], rows[g_idx], num_ctas)
+    return Plan(
+        work=work,
+        cta_offsets=offsets,
+        num_splits_max=int(splits.max()),
+        partial_rows=partial_rows,
+        cta_cost=cta_cost,
+        item_cost=np.ascontiguousarray(item_cost[perm], dtype=np.float64),
+        partial_offsets=poff,
+        combine=combine,
+        modeled_us=float(cta_cost.max()) + comb_us,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# buffers
+# --------------------------------------------------------------------------------------
+
+
+def _as_writable_int32(buf, name: str) -> np.ndarray:
+    """numpy view of a numpy array or a CPU torch tensor (shares memory, no copy)."""
+    if not isinstance(buf, np.ndarray) and hasattr(buf, "numpy"):
+        buf = buf.numpy()  # CPU (pinned) torch tensor: shared-memory view
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array or CPU torch tensor")
+    if buf.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {buf.dtype}")
+    if not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise ValueError(f"{name} must be C-contiguous and writeable")
+    return buf
+
+
+def pack_plan(
+    plan: Plan,
+    work_buf,
+    offsets_buf,
+    partial_offsets_buf=None,
+    combine_buf=None,
+    *,
+    prev_n_items: int | None = None,
+) -> int:
+    """Copy ``plan`` into preallocated int32 buffers in place; returns n_items.
+
+    * ``work_buf``: ``[cap, 8]`` (or flat ``[cap * 8]``); rows ``>= n_items`` are zeroed
+      (an all-zero row is an empty item: 0 tokens, pages [0, 0)).  If ``prev_n_items`` is
+      given, only rows ``[n_items, prev_n_items)`` are cleared: the caller guarantees rows
+      beyond ``prev_n_items`` are still zero from an earlier ``pack_plan``.
+    * ``offsets_buf``: ``[>= num_ctas + 1]``; entries past ``num_ctas`` get ``n_items``
+      (extra CTAs see empty ranges).
+    * ``partial_offsets_buf`` (optional): ``[cap]``; padding ``-1``.
+    * ``combine_buf`` (optional): ``[cap_groups, 6]``; padding rows zero (0 splits).
+    Torch CPU tensors (pinned or not) are written through a shared-memory numpy view.
+    """
+    n = plan.n_items
+    w = _as_writable_int32(work_buf, "work_buf")
+    w2 = w.reshape(-1, WORK_COLS) if w.ndim == 1 else w
+    if w2.ndim != 2 or w2.shape[1] != WORK_COLS:
+        raise ValueError(f"work_buf must be [cap, {WORK_COLS}], got {w.shape}")
+    cap = w2.shape[0]
+    if n > cap:
+        raise ValueError(f"plan has {n} items but work_buf holds {cap}")
+    o = _as_writable_int32(offsets_buf, "offsets_buf")
+    if o.ndim != 1 or o.shape[0] < plan.num_ctas + 1:
+        raise ValueError(f"offsets_buf must be 1-D with >= {plan.num_ctas + 1} entries")
+    end = cap if prev_n_items is None else min(cap, max(int(prev_n_items), n))
+
+    w2[:n] = plan.work
+    w2[n:end] = 0
+    o[: plan.num_ctas + 1] = plan.cta_offsets
+    o[plan.num_ctas + 1 :] = n
+    if partial_offsets_buf is not None:
+        p = _as_writable_int32(partial_offsets_buf, "partial_offsets_buf")
+        if p.ndim != 1 or p.shape[0] < n:
+            raise ValueError("partial_offsets_buf too small")
+        p[:n] = plan.partial_offsets
+        p[n : (p.shape[0] if prev_n_items is None else min(p.shape[0], end))] = -1
+    if combine_buf is not None:
+        c = _as_writable_int32(combine_buf, "combine_buf")
+        c2 = c.reshape(-1, COMBINE_COLS) if c.ndim == 1 else c
+        g = plan.combine.shape[0]
+        if c2.ndim != 2 or c2.shape[1] != COMBINE_COLS or c2.shape[0] < g:
+            raise ValueError("combine_buf must be [>= n_groups, 6]")
+        c2[:g] = plan.combine
+        # n_groups <= n_items, so rows past prev_n_items are still zero as well
+        c2[g : (c2.shape[0] if prev_n_items is None else min(c2.shape[0], end))] = 0
+    return n
+
+
+def worst_case_items(
+    max_num_reqs: int,
+    max_num_tokens: int,
+    max_model_len: int,
+    num_kv_heads: int,
+    group_size: int,
+    page_size: int = 64,
+    tile_m: int = 64,
+    max_splits: int = 16,
+) -> int:
+    """Upper bound on ``plan(...).n_items`` over every batch with <= max_num_reqs requests,
+    <= max_num_tokens new tokens in total and seq_lens <= max_model_len.
+
+    q tiles: a request with q new tokens has ceil(q / tpt) <= (q + tpt - 1) / tpt tiles and
+    at most min(max_num_reqs, max_num_tokens) requests are non-empty, so
+    tiles <= min(T, floor((T + R * (tpt - 1)) / tpt)).  Each (tile, head) becomes at most
+    min(max_splits, ceil(max_model_len / page_size)) items (a split keeps >= 1 page).
+    """
+    t = int(max_num_tokens)
+    if t <= 0 or max_num_reqs <= 0 or max_model_len <= 0:
+        return 0
+    tpt = int(tile_m) // next_pow2(group_size)
+    if tpt < 1:
+        raise ValueError("tile_m smaller than Gp")
+    r = min(int(max_num_reqs), t)
+    tiles = min(t, (t + r * (tpt - 1)) // tpt)
+    max_pages = -(-int(max_model_len) // int(page_size))
+    return tiles * int(num_kv_heads) * max(1, min(int(max_splits), max_pages))

@@ -1,0 +1,302 @@
+"""Reference (fp32, plain PyTorch) paged attention and KV append.
+
+This module is THE single source of truth every test, sweep and bench compares
+against.  It implements exactly the semantics of ``docs/contract.md``:
+
+* ``q``: ``[total_q, Hq, D]``; rows of request ``b`` are
+  ``query_start_loc[b]:query_start_loc[b+1]``.  Rows past ``query_start_loc[-1]``
+  (padding) belong to no request.
+* ``k_cache`` / ``v_cache``: ``[num_blocks, Hkv, P, D]`` (HND pages).
+* ``seq_lens[b]``: total KV length of request ``b`` including its new tokens.
+* causal: new token ``i`` of request ``b`` (``q_len`` new tokens, ``L`` KV) sits at
+  position ``L - q_len + i`` and attends to KV positions ``0 ..= L - q_len + i``.
+* GQA: q head ``hq`` reads KV head ``hq // (Hq // Hkv)``.
+
+It runs on any device (CPU included) and never imports vLLM or the CuTe kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+__all__ = [
+    "reference_paged_attention",
+    "reference_kv_append",
+    "relative_error",
+    "written_rows_mask",
+    "make_paged_case",
+    "new_token_slot_mapping",
+    "PagedCase",
+]
+
+# Upper bound on the number of fp32 score elements materialised at once per
+# request chunk (keeps 2k x 32k x 32-head prefills in a few hundred MiB).
+_MAX_SCORE_ELEMS = 1 << 26
+
+
+def _as_list(t: Union[torch.Tensor, Sequence[int]]) -> list:
+    if isinstance(t, torch.Tensor):
+        return [int(x) for x in t.detach().cpu().tolist()]
+    return [int(x) for x in t]
+
+
+def _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_table):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, Hq, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must both be [num_blocks, Hkv, P, D], got "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    total_q, hq, d = q.shape
+    _, hkv, _, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head dim mismatch: q {d} vs cache {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape[0] != b + 1:
+        raise ValueError("query_start_loc must have B+1 entries")
+    if block_table.dim() != 2 or block_table.shape[0] < b:
+        raise ValueError("block_table must be [B, max_pages]")
+
+
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor,
+                              query_start_loc: torch.Tensor,
+                              seq_lens: torch.Tensor,
+                              block_table: torch.Tensor,
+                              softmax_scale: float) -> torch.Tensor:
+    """Causal varlen paged GQA attention in fp32.
+
+    Returns an fp32 tensor ``[total_q, Hq, D]`` on ``q.device``.  Rows that no
+    request writes (padding rows after ``query_start_loc[-1]`` and rows of
+    requests with ``seq_lens == 0``) are zero; use :func:`written_rows_mask`
+    to select the rows a kernel must write.
+    """
+    _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    total_q, hq, d = q.shape
+    _, hkv, page, _ = k_cache.shape
+    g = hq // hkv
+    qsl = _as_list(query_start_loc)
+    lens = _as_list(seq_lens)
+    if qsl[0] != 0:
+        raise ValueError("query_start_loc[0] must be 0")
+    if qsl[-1] > total_q:
+        raise ValueError(f"query_start_loc[-1]={qsl[-1]} > total_q={total_q}")
+    bt = block_table.detach()
+    out = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(lens):
+        start, end = qsl[b], qsl[b + 1]
+        q_len = end - start
+        if q_len < 0:
+            raise ValueError("query_start_loc must be non-decreasing")
+        if q_len == 0 or seq_len == 0:
+            continue
+        if seq_len < q_len:
+            raise ValueError(
+                f"request {b}: seq_len {seq_len} < q_len {q_len} (contract violation)")
+        n_pages = (seq_len + page - 1) // page
+        if n_pages > bt.shape[1]:
+            raise ValueError(f"request {b}: needs {n_pages} pages, block_table has "
+                             f"{bt.shape[1]}")
+        pages = bt[b, :n_pages].to(device=k_cache.device, dtype=torch.long)
+        # Gather logical pages -> contiguous [Hkv, L, D] (fp32).
+        k = k_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
+            hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
+                                                    dtype=torch.float32)
+        v = v_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
+            hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
+                                                    dtype=torch.float32)
+        # q rows of this request grouped per KV head: [Hkv, G, q_len, D].
+        qb = q[start:end].to(torch.float32).reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
+        first_pos = seq_len - q_len
+        kv_pos = torch.arange(seq_len, device=q.device)
+        chunk = max(1, _MAX_SCORE_ELEMS // max(1, hq * seq_len))
+        for c0 in range(0, q_len, chunk):
+            c1 = min(q_len, c0 + chunk)
+            q_pos = first_pos + torch.arange(c0, c1, device=q.device)
+            # [Hkv, G, c, L]
+            s = torch.einsum("hgid,hld->hgil", qb[:, :, c0:c1], k) * float(softmax_scale)
+            masked = kv_pos[None, :] > q_pos[:, None]  # [c, L]
+            s = s.masked_fill(masked, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o = torch.einsum("hgil,hld->hgid", p, v)  # [Hkv, G, c, D]
+            out[start + c0:start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, hq, d)
+    return out
+
+
+def reference_kv_append(key: torch.Tensor, value: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches in place.
+
+    Token ``i`` goes to page ``slot // P``, offset ``slot % P``; negative slots
+    are skipped.  Only the first ``len(slot_mapping)`` tokens are considered.
+    """
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError("key/value must both be [T, Hkv, D]")
+    _, hkv, page, d = k_cache.shape
+    if key.shape[1] != hkv or key.shape[2] != d:
+        raise ValueError(f"key {tuple(key.shape)} does not match cache {tuple(k_cache.shape)}")
+    n = slot_mapping.shape[0]
+    if n > key.shape[0]:
+        raise ValueError("slot_mapping longer than key")
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    idx = torch.nonzero(keep, as_tuple=False).flatten()
+    if idx.numel() == 0:
+        return
+    s = slots[idx]
+    if int(s.max()) >= k_cache.shape[0] * page:
+        raise ValueError("slot out of range")
+    pg, off = s // page, s % page
+    src_idx = idx.to(key.device)
+    k_cache[pg, :, off, :] = key.index_select(0, src_idx).to(k_cache.device, k_cache.dtype)
+    v_cache[pg, :, off, :] = value.index_select(0, src_idx).to(v_cache.device, v_cache.dtype)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor,
+                   mask: Optional[torch.Tensor] = None) -> float:
+    """``||out - ref|| / ||ref||`` in fp32 (optionally over rows ``mask``).
+
+    NaN/inf in ``out`` propagate (the result is then NaN/inf, which fails
+    every ``<= tol`` comparison).
+    """
+    o = out.detach().to(torch.float32)
+    r = ref.detach().to(device=o.device, dtype=torch.float32)
+    if mask is not None:
+        m = mask.to(o.device)
+        o, r = o[m], r[m]
+    if r.numel() == 0:
+        return 0.0
+    den = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def written_rows_mask(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      total_q: int) -> torch.Tensor:
+    """Bool ``[total_q]`` (CPU): True for rows the kernel must write."""
+    qsl = _as_list(query_start_loc)
+    lens = _as_list(seq_lens)
+    mask = torch.zeros(total_q, dtype=torch.bool)
+    for b, seq_len in enumerate(lens):
+        if seq_len > 0 and qsl[b + 1] > qsl[b]:
+            mask[qsl[b]:qsl[b + 1]] = True
+    return mask
+
+
+class PagedCase(NamedTuple):
+    """Unpacks as ``q, k_cache, v_cache, qsl, seq_lens, block_table``."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+def _generator(rng: Union[int, torch.Generator, None],
+               rng_device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    if isinstance(rng, torch.Generator):
+        return rng
+    gen = torch.Generator(device=rng_device)
+    gen.manual_seed(0 if rng is None else int(rng))
+    return gen
+
+
+def make_paged_case(rng: Union[int, torch.Generator, None],
+                    q_lens: Sequence[int], seq_lens: Sequence[int],
+                    Hq: int, Hkv: int, D: int, page: int = 64,
+                    dtype: torch.dtype = torch.bfloat16,
+                    device: Union[str, torch.device] = "cpu",
+                    spare_pages: Optional[int] = None,
+                    pad_rows: int = 0,
+                    extra_table_cols: int = 2,
+                    rng_device: Union[str, torch.device] = "cpu") -> PagedCase:
+    """Random paged-attention inputs (deterministic given ``rng``).
+
+    * every tensor value is ``randn`` (never zeros), generated from ``rng`` (an
+      int seed, used on ``rng_device`` -- the CPU by default, so values do not
+      depend on ``device`` -- or a ``torch.Generator``) and moved to ``device``;
+      pass ``rng_device=device`` for fast generation of big CUDA cases;
+    * physical pages are a random permutation; ``spare_pages`` extra pages of
+      garbage (default: max(4, used/4)) are never referenced by the used part
+      of the block table, so reading a wrong page is detected;
+    * block table entries past each request's last page (and ``extra_table_cols``
+      extra columns) hold random *valid* page ids of other data;
+    * ``pad_rows`` extra q rows after ``query_start_loc[-1]`` (belonging to no
+      request, as in a padded CUDA-graph batch).
+    """
+    q_lens = [int(x) for x in q_lens]
+    seq_lens = [int(x) for x in seq_lens]
+    if len(q_lens) != len(seq_lens) or not q_lens:
+        raise ValueError("q_lens and seq_lens must be non-empty and of equal length")
+    for ql, sl in zip(q_lens, seq_lens):
+        if ql < 0 or sl < 0:
+            raise ValueError("negative length")
+        if sl > 0 and sl < ql:
+            raise ValueError(f"seq_len {sl} < q_len {ql}")
+        if sl == 0 and ql != 0:
+            raise ValueError("a request with seq_len 0 cannot have new tokens")
+    if Hq % Hkv:
+        raise ValueError("Hq must be a multiple of Hkv")
+    gen = _generator(rng, rng_device)
+    gdev = gen.device
+    pages_per_req = [(sl + page - 1) // page for sl in seq_lens]
+    used = sum(pages_per_req)
+    if spare_pages is None:
+        spare_pages = max(4, used // 4)
+    num_blocks = used + spare_pages
+    max_pages = max(1, max(pages_per_req)) + extra_table_cols
+    perm = torch.randperm(num_blocks, generator=gen, device=gdev).cpu()
+    bt = torch.randint(0, num_blocks, (len(q_lens), max_pages), generator=gen,
+                       dtype=torch.int64, device=gdev).cpu()
+    pos = 0
+    for b, n in enumerate(pages_per_req):
+        bt[b, :n] = perm[pos:pos + n]
+        pos += n
+    total_q = sum(q_lens) + pad_rows
+    q = torch.randn(total_q, Hq, D, generator=gen, dtype=torch.float32,
+                    device=gdev).to(dtype)
+    k_cache = torch.randn(num_blocks, Hkv, page, D, generator=gen,
+                          dtype=torch.float32, device=gdev).to(dtype)
+    v_cache = torch.randn(num_blocks, Hkv, page, D, generator=gen,
+                          dtype=torch.float32, device=gdev).to(dtype)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0).to(torch.int32)
+    return PagedCase(q.to(device), k_cache.to(device), v_cache.to(device),
+                     qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                     bt.to(torch.int32).to(device))
+
+
+def new_token_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, page: int,
+                           total_q: Optional[int] = None) -> torch.Tensor:
+    """int64 ``[total_q]`` slots of the new tokens (``-1`` for padding rows).
+
+    New token ``i`` of request ``b`` sits at position ``L - q_len + i`` and goes
+    to ``block_table[b, pos // P] * P + pos % P``.
+    """
+    qsl = _as_list(query_start_loc)
+    lens = _as_list(seq_lens)
+    bt = block_table.detach().cpu().to(torch.int64)
+    n = qsl[-1] if total_q is None else int(total_q)
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    for b, seq_len in enumerate(lens):
+        start, end = qsl[b], qsl[b + 1]
+        q_len = end - start
+        if q_len == 0 or seq_len == 0:
+            continue
+        posn = torch.arange(seq_len - q_len, seq_len, dtype=torch.int64)
+        slots[start:end] = bt[b, posn // page] * page + posn % page
+    return slots.to(query_start_loc.device)
+
+
+def default_softmax_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)

@@ -1,0 +1,475 @@
+"""ION attention backend for vLLM 0.26's v1 attention interface.
+
+* KV cache: one tensor per layer, ``(num_blocks, 2, num_kv_heads, 64, head_size)`` (HND pages,
+  ``k = cache[:, 0]``, ``v = cache[:, 1]``); the physical layout is exactly that shape.
+* ``forward`` writes the step's new K/V itself (``cute_kernels.kv_append``) and then runs
+  ``cute_kernels.ion_attention`` over the paged cache (docs/contract.md).  vLLM's own
+  cache-write ops are never used.
+* The metadata builder plans the step's work list once on the host
+  (``cute_kernels.planner.plan``) and copies it into device buffers that are allocated once,
+  so CUDA-graph capture / replay keep reading valid pointers.
+
+This module imports torch and vLLM but neither cutlass nor ``cute_kernels`` at import time;
+the kernels are imported on first use inside the builder / impl.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ion_vllm import validation
+from ion_vllm.registration import ION_BACKEND_NAME, install_enum_alias
+
+logger = init_logger(__name__)
+
+# vLLM's Attention layer looks its backend up with AttentionBackendEnum[get_name()]; make
+# "ION" resolvable in any process that imports this module, even without the plugin hook.
+install_enum_alias()
+
+KERNEL_BLOCK_SIZE = validation.KERNEL_BLOCK_SIZE
+#: MMA M dimension of one q tile (docs/contract.md: tokens_per_tile = 64 // Gp).
+Q_TILE_ROWS = 64
+WORK_COLS = 8
+
+#: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
+FAULT_INJECT_ENV = "ION_FAULT_INJECT"
+FAULT_SWAP_KV_PAGE = "swap_kv_page"
+
+_HOPPER_SMS_DEFAULT = 132  # H100/H200 SXM; only used when the builder's device is not CUDA
+
+
+def _cute_kernels():
+    """The kernel package, imported on first use (it pulls in cutlass / CuTeDSL)."""
+    import cute_kernels
+
+    return cute_kernels
+
+
+def _planner():
+    from cute_kernels import planner
+
+    return planner
+
+
+# --------------------------------------------------------------------------- metadata
+@dataclass
+class IonAttentionMetadata(AttentionMetadata):
+    num_actual_tokens: int  # may include CUDA-graph padding tokens (slot_mapping < 0)
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_reqs], device, includes the new tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_pages], device
+    slot_mapping: torch.Tensor  # int64 [num_actual_tokens], device
+    plan: Any  # cute_kernels.attention.DevicePlan (the builder's persistent buffers)
+    causal: bool | torch.Tensor = True
+
+
+def fault_block_table(block_table: torch.Tensor) -> torch.Tensor:
+    """Test-only fault: a copy of ``block_table`` whose request 0 reads a wrong KV page.
+
+    Page 0 of request 0 is pointed at page 0 of the last request (another sequence's keys
+    and values) when the batch has several requests, else pages 0 and 1 are swapped.  Merely
+    swapping two fully visible pages would not change attention (RoPE is inside K), so the
+    alias to foreign KV is what makes the fault observable end to end.
+    """
+    broken = block_table.clone()
+    if block_table.shape[0] >= 2:
+        broken[0, 0] = block_table[-1, 0]
+    elif block_table.shape[1] >= 2:
+        broken[0, 0:2] = block_table[0, 0:2].flip(0)
+    return broken
+
+
+# --------------------------------------------------------------------------- builder
+class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]):
+    """Builds :class:`IonAttentionMetadata` and the step's work-list plan.
+
+    The plan is computed once per step (not per layer) on the host by
+    ``cute_kernels.planner.plan`` from vLLM's host copies of ``query_start_loc`` /
+    ``seq_lens`` and uploaded (non-blocking, from pinned buffers) into a
+    ``cute_kernels.attention.DevicePlan`` allocated here once at the planner's worst case.
+    The kernel runs a fixed persistent grid and reads its whole schedule (work list, split-KV
+    workspace, combine groups) from those buffers, and the combine pass is always launched,
+    so a captured launch is valid for any later batch: mixed prefill/decode batches can run
+    in FULL CUDA graphs.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+    # The kernel handles mixed prefill + decode in one launch: no batch reordering needed.
+    reorder_batch_threshold: int | None = None
+    allow_split: ClassVar[bool] = True
+    max_splits: ClassVar[int] = 16
+    #: split-KV workspace rows (fp32 [rows, D]); the planner only splits within this budget
+    partial_rows_per_cta: ClassVar[int] = 4 * Q_TILE_ROWS
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
+            raise ValueError(
+                f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
+                f"{kv_cache_spec.block_size}; use --block-size {KERNEL_BLOCK_SIZE}")
+        model_config = vllm_config.model_config
+        parallel_config = vllm_config.parallel_config
+        scheduler_config = vllm_config.scheduler_config
+
+        self.page_size = kv_cache_spec.block_size
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_size = kv_cache_spec.head_size
+        self.num_q_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                            or model_config.get_num_attention_heads(parallel_config))
+        self.group_size = self.num_q_heads // self.num_kv_heads
+
+        spec = vllm_config.speculative_config
+        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        if spec is not None and getattr(spec, "parallel_drafting", False):
+            num_spec *= 2
+        self.max_num_reqs = scheduler_config.max_num_seqs
+        self.max_num_tokens = scheduler_config.max_num_batched_tokens
+        # seq_lens_cpu_upper_bound may run ahead by the speculative tokens
+        self.max_seq_len_bound = model_config.max_model_len + num_spec
+
+        from cute_kernels.attention import DevicePlan
+        from cute_kernels.variants import CTAS_PER_SM
+
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            sms = _HOPPER_SMS_DEFAULT
+        self.num_ctas = sms * CTAS_PER_SM
+
+        planner = _planner()
+        self.item_capacity = max(1, planner.worst_case_items(
+            self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+            self.num_kv_heads, self.group_size, page_size=self.page_size,
+            tile_m=Q_TILE_ROWS, max_splits=self.max_splits if self.allow_split else 1))
+        # split groups are (request, head, q tile) tiles: bounded by the unsplit item count
+        self.group_capacity = max(1, planner.worst_case_items(
+            self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+            self.num_kv_heads, self.group_size, page_size=self.page_size,
+            tile_m=Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1
+        self.partial_rows = self.partial_rows_per_cta * self.num_ctas if self.allow_split else 0
+        self.plan = DevicePlan(item_capacity=self.item_capacity,
+                               group_capacity=self.group_capacity,
+                               partial_rows_capacity=self.partial_rows,
+                               num_ctas=self.num_ctas, head_dim=self.head_size,
+                               device=self.device, always_combine=self.allow_split)
+
+    # ------------------------------------------------------------------ planning
+    def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
+        """Host plan for one step (``cute_kernels.planner.plan``, docs/contract.md)."""
+        return _planner().plan(
+            query_start_loc, seq_lens,
+            num_kv_heads=self.num_kv_heads, group_size=self.group_size,
+            page_size=self.page_size, num_ctas=self.num_ctas, tile_m=Q_TILE_ROWS,
+            allow_split=self.allow_split, max_splits=self.max_splits,
+            max_partial_rows=self.partial_rows)
+
+    @staticmethod
+    def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
+        """Host copy of seq_lens, without a device sync when vLLM already has one.
+
+        ``seq_lens_cpu_upper_bound`` is exact except under async speculative decoding,
+        where it may run ahead of the device value; the kernel bounds every row by the
+        device ``seq_lens`` (causal end), so an over-long page range only costs masked
+        pages.
+        """
+        host = common.seq_lens_cpu_upper_bound
+        if host is None:
+            host = common._seq_lens_cpu
+        if host is None:
+            host = common.seq_lens.cpu()
+        return np.ascontiguousarray(host[: common.num_reqs].numpy(), dtype=np.int32)
+
+    def upload_plan(self, host_plan: Any):
+        """Copy ``host_plan`` into the persistent device buffers (in place)."""
+        return self.plan.upload(host_plan)
+
+    # ------------------------------------------------------------------ build
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> IonAttentionMetadata:
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        qsl_host = np.ascontiguousarray(
+            common.query_start_loc_cpu[: num_reqs + 1].numpy(), dtype=np.int32)
+        host_plan = self.run_planner(qsl_host, self.host_seq_lens(common))
+        return IonAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=num_reqs,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping,
+            plan=self.upload_plan(host_plan),
+            causal=common.causal,
+        )
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- backend
+class IonAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(
+        validation.SUPPORTED_KV_CACHE_DTYPES)
+    # forward() writes the new K/V itself (cute_kernels.kv_append).
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return ION_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[IonAttentionImpl]:
+        return IonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[IonAttentionMetadataBuilder]:
+        return IonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # A plain int: vLLM picks 64 when no --block-size is given, and splits a larger
+        # multiple of 64 into 64-token kernel pages.
+        return [KERNEL_BLOCK_SIZE]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return validation.block_size_reason(block_size) is None
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        if block_size != KERNEL_BLOCK_SIZE:
+            raise ValueError(f"ION KV pages hold {KERNEL_BLOCK_SIZE} tokens, got block "
+                             f"size {block_size}")
+        return (num_blocks, 2, num_kv_heads, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(
+        include_num_layers_dimension: bool = False,
+    ) -> tuple[int, ...]:
+        # Physical layout == logical shape; with a layers dimension, layers stay outermost
+        # so each layer's cache is one contiguous (num_blocks, 2, Hkv, P, D) tensor.
+        if include_num_layers_dimension:
+            return (0, 1, 2, 3, 4, 5)
+        return (0, 1, 2, 3, 4)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(validation.SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return validation.head_size_reason(head_size) is None
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return validation.dtype_reason(dtype) is None
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: str | None) -> bool:
+        return validation.kv_cache_dtype_reason(kv_cache_dtype) is None
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        return validation.compute_capability_reason(capability) is None
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return validation.attn_type_reason(attn_type) is None
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return False
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str | None,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        use_mm_prefix: bool,
+        use_per_head_quant_scales: bool,
+        device_capability: Any,
+        attn_type: str,
+        has_sliding_window: bool = False,
+        use_non_causal: bool = False,
+        use_batch_invariant: bool = False,
+        use_kv_connector: bool = False,
+        use_pcp: bool = False,
+    ) -> list[str]:
+        return validation.backend_config_reasons(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size, use_mla=use_mla, has_sink=has_sink,
+            use_sparse=use_sparse, use_mm_prefix=use_mm_prefix,
+            use_per_head_quant_scales=use_per_head_quant_scales,
+            device_capability=device_capability, attn_type=attn_type,
+            has_sliding_window=has_sliding_window, use_non_causal=use_non_causal,
+            use_batch_invariant=use_batch_invariant, use_kv_connector=use_kv_connector,
+            use_pcp=use_pcp)
+
+
+# --------------------------------------------------------------------------- impl
+class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
+    """Runs ``kv_append`` then ``ion_attention`` (docs/contract.md) for one layer.
+
+    Test-only: with ``ION_FAULT_INJECT=swap_kv_page`` in the environment when the layer is
+    built, the block table handed to the attention kernel has request 0's first two KV pages
+    swapped, so attention reads the wrong keys/values (the cache writes stay correct).  It
+    exists so an end-to-end test can prove it fails when attention is broken; never set it
+    in production.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        validation.check_layer(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            kv_cache_dtype=kv_cache_dtype, alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type, has_sinks=sinks is not None)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        fault = os.environ.get(FAULT_INJECT_ENV, "")
+        if fault not in ("", FAULT_SWAP_KV_PAGE):
+            raise ValueError(f"{FAULT_INJECT_ENV}={fault!r}: the only test fault is "
+                             f"{FAULT_SWAP_KV_PAGE!r}")
+        self.fault_swap_kv_page = fault == FAULT_SWAP_KV_PAGE
+        if self.fault_swap_kv_page:
+            logger.warning_once("%s=%s: ION attention is deliberately WRONG (test-only "
+                                "fault injection)", FAULT_INJECT_ENV, fault)
+
+    def kernel_block_table(self, attn_metadata: IonAttentionMetadata) -> torch.Tensor:
+        if self.fault_swap_kv_page:
+            return fault_block_table(attn_metadata.block_table)
+        return attn_metadata.block_table
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: IonAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query/output: ``[T, Hq, D]``; key/value: ``[T, Hkv, D]``;
+        kv_cache: ``[num_blocks, 2, Hkv, 64, D]``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ION does not support fused output quantization")
+        if attn_metadata is None:
+            # Profiling / dummy run without metadata.
+            return output.fill_(0)
+
+        kernels = _cute_kernels()
+        n = attn_metadata.num_actual_tokens
+        k_cache = kv_cache[:, 0]
+        v_cache = kv_cache[:, 1]
+        if self.kv_sharing_target_layer_name is None and key is not None:
+            kernels.kv_append(key[:n], value[:n], k_cache, v_cache,
+                              attn_metadata.slot_mapping[:n])
+        # q may be a strided view of the fused qkv projection: the kernel reads it by TMA
+        # with its row stride, no copy needed
+        kernels.ion_attention(
+            query[:n], k_cache, v_cache, output[:n],
+            attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            self.kernel_block_table(attn_metadata), self.scale,
+            plan=attn_metadata.plan)
+        return output
+
+
+__all__ = [
+    "IonAttentionBackend",
+    "IonAttentionImpl",
+    "IonAttentionMetadata",
+    "IonAttentionMetadataBuilder",
+    "fault_block_table",
+]

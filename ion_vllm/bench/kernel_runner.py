@@ -1,0 +1,479 @@
+"""GPU side of the kernel A/B benchmark: data setup per backend, timing, ceilings.
+
+Every backend sees the same logical K/V/q values (generated from per-rotation
+seeds) scattered into its own paged layout:
+
+* ``ion``    : ``cute_kernels.ion_attention``, cache ``[num_blocks, 2, Hkv, P, D]``
+               (HND pages, P = 64), plan from ``cute_kernels.planner.plan`` built once,
+               outside the timed region.
+* ``fa3``    : ``vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3)``, cache
+               ``[2, num_blocks, P, Hkv, D]`` (NHD), FA3 scheduler metadata built once
+               outside the timed region (vLLM's builder does the same: ``aot_schedule``).
+* ``fa4``    : the same call with ``fa_version=4`` (FA4 CuTeDSL, sm90 path).
+* ``triton`` : ``vllm.v1.attention.ops.triton_unified_attention.unified_attention``,
+               cache ``[num_blocks, P, Hkv, 2*D]`` split into K/V views, with the 3D
+               (split-softmax) buffers vLLM's TritonAttention builder allocates.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .kernel_suite import Case, flops, min_bytes, rotations
+
+BACKENDS = ("ion", "fa3", "fa4", "triton")
+H200_L2_BYTES = 50 * 1024 * 1024
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run at all here (import failure, unsupported GPU)."""
+
+
+# --------------------------------------------------------------------------- data
+
+def _torch_dtype(name: str):
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _seed(case: Case, rot: int, salt: int) -> int:
+    h = 0
+    for ch in case.name:
+        h = (h * 131 + ord(ch)) % (2 ** 31)
+    return (h + 7919 * rot + 104729 * salt) % (2 ** 31)
+
+
+def logical_qkv(case: Case, rot: int, device):
+    """q ``[total_q, Hq, D]`` and logical K/V ``[total_kv, Hkv, D]`` for a rotation
+    (request-major, token order), standard normal, deterministic per (case, rot)."""
+    import torch
+    dt = _torch_dtype(case.dtype)
+    out = []
+    for salt, shape in ((0, (case.total_q, case.hq, case.d)),
+                        (1, (case.total_kv, case.hkv, case.d)),
+                        (2, (case.total_kv, case.hkv, case.d))):
+        g = torch.Generator(device=device)
+        g.manual_seed(_seed(case, rot, salt))
+        out.append(torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dt))
+    return out
+
+
+def page_assignment(case: Case, page: int, rot: int):
+    """Block table ``[B, max_pages]`` (int32, numpy) with the physical pages of each
+    request drawn from a seeded permutation (a fragmented allocator), plus the
+    physical page and in-page offset of every logical KV token (request-major)."""
+    n_pages = case.num_pages(page)
+    perm = np.random.default_rng(_seed(case, rot, 3 + page)).permutation(n_pages).astype(np.int32)
+    max_pages = max(math.ceil(k / page) for k in case.kv_lens)
+    bt = np.zeros((case.batch, max_pages), dtype=np.int32)
+    tok_page = np.empty(case.total_kv, dtype=np.int64)
+    tok_off = np.empty(case.total_kv, dtype=np.int64)
+    p0 = t0 = 0
+    for b, kv in enumerate(case.kv_lens):
+        npg = math.ceil(kv / page)
+        bt[b, :npg] = perm[p0:p0 + npg]
+        t = np.arange(kv)
+        tok_page[t0:t0 + kv] = bt[b, t // page]
+        tok_off[t0:t0 + kv] = t % page
+        p0 += npg
+        t0 += kv
+    return bt, tok_page, tok_off, n_pages
+
+
+@dataclass
+class Prepared:
+    """One rotation of one backend: ``call()`` runs the attention, writing ``out``."""
+    call: Callable[[], object]
+    out: object
+
+
+def _common_meta(case: Case, device):
+    import torch
+    qsl = torch.tensor(case.query_start_loc(), dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(case.kv_lens, dtype=torch.int32, device=device)
+    return qsl, seq_lens
+
+
+# --------------------------------------------------------------------------- backends
+
+def _ion_plan(case: Case, device):
+    """The ION device plan, built the way vLLM's ION metadata builder does once per
+    step: host planner (``cute_kernels.planner.plan``) over host copies of
+    query_start_loc / seq_lens, uploaded by ``cute_kernels.make_device_plan``."""
+    try:
+        import cute_kernels
+        make_device_plan = cute_kernels.make_device_plan
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"cute_kernels.make_device_plan import failed: {e!r}") from e
+    qsl = np.asarray(case.query_start_loc(), dtype=np.int32)
+    sl = np.asarray(case.kv_lens, dtype=np.int32)
+    return make_device_plan(qsl, sl, num_kv_heads=case.hkv, group_size=case.hq // case.hkv,
+                            page_size=case.ion_page, device=device)
+
+
+def ion_cache(case: Case, rot: int, device):
+    """q, K/V views of ION's vLLM cache ``[num_blocks, 2, Hkv, P, D]`` and the block table."""
+    import torch
+    P = case.ion_page
+    q, k_log, v_log = logical_qkv(case, rot, device)
+    bt_np, tp, to, n_pages = page_assignment(case, P, rot)
+    cache = torch.empty((n_pages, 2, case.hkv, P, case.d), dtype=q.dtype, device=device)
+    k, v = cache[:, 0], cache[:, 1]
+    tp_t = torch.from_numpy(tp).to(device)
+    to_t = torch.from_numpy(to).to(device)
+    k[tp_t, :, to_t] = k_log
+    v[tp_t, :, to_t] = v_log
+    return q, k, v, torch.from_numpy(bt_np).to(device)
+
+
+def fa_cache(case: Case, rot: int, device):
+    """q, K/V of FlashAttention's vLLM cache ``[2, num_blocks, P, Hkv, D]`` (NHD) and
+    the block table, at the FA page size."""
+    import torch
+    P = case.fa_page
+    q, k_log, v_log = logical_qkv(case, rot, device)
+    bt_np, tp, to, n_pages = page_assignment(case, P, rot)
+    cache = torch.empty((2, n_pages, P, case.hkv, case.d), dtype=q.dtype, device=device)
+    slot = torch.from_numpy(tp * P + to).to(device)
+    cache[0].view(n_pages * P, case.hkv, case.d)[slot] = k_log
+    cache[1].view(n_pages * P, case.hkv, case.d)[slot] = v_log
+    return q, cache[0], cache[1], torch.from_numpy(bt_np).to(device)
+
+
+def triton_cache(case: Case, rot: int, device):
+    """q, K/V views of TritonAttention's cache, physically ``[num_blocks, P, Hkv, 2*D]``
+    with K in the first and V in the second half of the last dim, and the block table."""
+    import torch
+    P = case.fa_page
+    q, k_log, v_log = logical_qkv(case, rot, device)
+    bt_np, tp, to, n_pages = page_assignment(case, P, rot)
+    cache = torch.empty((n_pages, P, case.hkv, 2 * case.d), dtype=q.dtype, device=device)
+    slot = torch.from_numpy(tp * P + to).to(device)
+    flat = cache.view(n_pages * P, case.hkv, 2 * case.d)
+    flat[slot, :, :case.d] = k_log
+    flat[slot, :, case.d:] = v_log
+    kc, vc = cache.split(case.d, dim=-1)
+    return q, kc, vc, torch.from_numpy(bt_np).to(device)
+
+
+def prepare_ion(case: Case, rot: int, device, shared: dict) -> Prepared:
+    import torch
+    try:
+        import cute_kernels
+        attn = cute_kernels.ion_attention
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"cute_kernels.ion_attention import failed: {e!r}") from e
+    if "ion_plan" not in shared:
+        shared["ion_plan"] = _ion_plan(case, device)
+    plan = shared["ion_plan"]
+    q, k, v, bt = ion_cache(case, rot, device)
+    qsl, seq_lens = _common_meta(case, device)
+    out = torch.empty_like(q)
+    scale = case.d ** -0.5
+
+    def call():
+        return attn(q, k, v, out, qsl, seq_lens, bt, scale, plan=plan)
+
+    return Prepared(call, out)
+
+
+def _flash_attn_func():
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"vllm.vllm_flash_attn import failed: {e!r}") from e
+    return flash_attn_varlen_func
+
+
+def _check_fa_version(ver: int):
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import fa_version_unsupported_reason
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"vllm.vllm_flash_attn import failed: {e!r}") from e
+    reason = fa_version_unsupported_reason(ver)
+    if reason:
+        raise BackendUnavailable(f"FA{ver} unsupported: {reason}")
+
+
+def _prepare_fa(case: Case, rot: int, device, shared: dict, ver: int) -> Prepared:
+    import torch
+    fa = _flash_attn_func()
+    _check_fa_version(ver)
+    q, kc, vc, bt = fa_cache(case, rot, device)
+    qsl, seq_lens = _common_meta(case, device)
+    out = torch.empty_like(q)
+    scale = case.d ** -0.5
+    sched = None
+    if ver == 3:
+        if "fa3_sched" not in shared:
+            from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+            shared["fa3_sched"] = get_scheduler_metadata(
+                batch_size=case.batch, max_seqlen_q=case.max_q, max_seqlen_k=case.max_kv,
+                num_heads_q=case.hq, num_heads_kv=case.hkv, headdim=case.d,
+                cache_seqlens=seq_lens, qkv_dtype=q.dtype, cu_seqlens_q=qsl,
+                page_size=case.fa_page, causal=True, window_size=(-1, -1), num_splits=0)
+        sched = shared["fa3_sched"]
+
+    def call():
+        return fa(q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=case.max_q,
+                  seqused_k=seq_lens, max_seqlen_k=case.max_kv, softmax_scale=scale,
+                  causal=True, block_table=bt, scheduler_metadata=sched,
+                  fa_version=ver, num_splits=0)
+
+    return Prepared(call, out)
+
+
+def prepare_fa3(case, rot, device, shared):
+    return _prepare_fa(case, rot, device, shared, 3)
+
+
+def prepare_fa4(case, rot, device, shared):
+    return _prepare_fa(case, rot, device, shared, 4)
+
+
+def prepare_triton(case: Case, rot: int, device, shared: dict) -> Prepared:
+    import torch
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"triton unified_attention import failed: {e!r}") from e
+    q, kc, vc, bt = triton_cache(case, rot, device)
+    qsl, seq_lens = _common_meta(case, device)
+    out = torch.empty_like(q)
+    scale = case.d ** -0.5
+    if "triton_bufs" not in shared:
+        # Same sizing as vLLM's TritonAttentionMetadataBuilder (no cudagraph capture).
+        thr = 128 // case.hkv
+        segs = 16
+        dpad = 1 << (case.d - 1).bit_length()
+        shared["triton_bufs"] = (
+            thr, segs,
+            torch.empty((thr, case.hq, segs, dpad), dtype=torch.float32, device=device),
+            torch.empty((thr, case.hq, segs), dtype=torch.float32, device=device),
+            torch.empty((thr, case.hq, segs), dtype=torch.float32, device=device),
+            torch.ones(1, dtype=torch.float32, device=device).expand(case.batch, case.hkv),
+        )
+    thr, segs, so, sm, se, descale = shared["triton_bufs"]
+
+    def call():
+        return unified_attention(
+            q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=case.max_q,
+            seqused_k=seq_lens, max_seqlen_k=case.max_kv, softmax_scale=scale, causal=True,
+            window_size=(-1, -1), block_table=bt, softcap=0, q_descale=None,
+            k_descale=descale, v_descale=descale, seq_threshold_3D=thr,
+            num_par_softmax_segments=segs, softmax_segm_output=so, softmax_segm_max=sm,
+            softmax_segm_expsum=se)
+
+    return Prepared(call, out)
+
+
+PREPARE = {"ion": prepare_ion, "fa3": prepare_fa3, "fa4": prepare_fa4,
+           "triton": prepare_triton}
+
+
+# --------------------------------------------------------------------------- timing
+
+def time_calls(calls: list[Callable[[], object]], iters: int, warmup: int) -> list[float]:
+    """GPU time (µs) of each of ``iters`` calls, cycling through ``calls``.
+
+    Each call is bracketed by CUDA events.  Before the timed loop a
+    ``torch.cuda._sleep`` spacer, sized from the measured host enqueue cost, keeps
+    the GPU busy until the host has queued every call, so host launch overhead
+    does not leak into the GPU time of a call.
+    """
+    import torch
+    n = len(calls)
+    for i in range(warmup):
+        calls[i % n]()
+    torch.cuda.synchronize()
+    # Host enqueue cost per call (GPU busy behind a spacer so the queue never drains).
+    t0 = time.perf_counter()
+    probe = min(10, iters)
+    torch.cuda._sleep(_cycles_for_us(20_000))
+    for i in range(probe):
+        calls[i % n]()
+    host_us = (time.perf_counter() - t0) * 1e6 / max(1, probe)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    spacer_us = min(1_000_000.0, 2.0 * iters * (host_us + 10.0) + 2_000.0)
+    torch.cuda._sleep(_cycles_for_us(spacer_us))
+    for i in range(iters):
+        starts[i].record()
+        calls[i % n]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends)]
+
+
+_CYCLES_PER_US: float | None = None
+
+
+def _cycles_for_us(us: float) -> int:
+    global _CYCLES_PER_US
+    import torch
+    if _CYCLES_PER_US is None:
+        cyc = 10_000_000
+        torch.cuda._sleep(1000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(cyc)
+        e.record()
+        torch.cuda.synchronize()
+        _CYCLES_PER_US = cyc / max(1.0, s.elapsed_time(e) * 1000.0)
+    return int(us * _CYCLES_PER_US)
+
+
+def percentile(xs: list[float], p: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), p))
+
+
+# --------------------------------------------------------------------------- ceilings
+
+def measure_ceilings(device, iters: int = 20, copy_bytes: int = 1 << 30,
+                     gemm_n: int = 8192) -> dict:
+    """Device-to-device copy bandwidth (bytes read + written / time) and bf16 GEMM
+    throughput (``gemm_n``^3 torch.matmul on random data), same process, same GPU."""
+    import torch
+    n = copy_bytes // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ts = time_calls([lambda: dst.copy_(src)], iters, 3)
+    copy_us = statistics.median(ts)
+    copy_gbps = 2 * n * 2 / (copy_us * 1e-6) / 1e9
+    del src, dst
+    a = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(gemm_n, gemm_n, dtype=torch.bfloat16, device=device)
+    c = torch.empty(gemm_n, gemm_n, dtype=torch.bfloat16, device=device)
+    ts = time_calls([lambda: torch.matmul(a, b, out=c)], iters, 3)
+    gemm_us = statistics.median(ts)
+    gemm_tflops = 2 * gemm_n ** 3 / (gemm_us * 1e-6) / 1e12
+    del a, b, c
+    torch.cuda.empty_cache()
+    return {"copy_gbps": copy_gbps, "copy_bytes": 2 * n * 2, "copy_us": copy_us,
+            "gemm_tflops": gemm_tflops, "gemm_n": gemm_n, "gemm_us": gemm_us}
+
+
+# --------------------------------------------------------------------------- driver
+
+def rel_err(out, ref) -> float:
+    import torch
+    o = out.float()
+    r = ref.float()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: int,
+                     l2_bytes: int = H200_L2_BYTES) -> tuple[dict, object]:
+    """Time one backend on one case. Returns (measurement dict, first-rotation
+    output (on device) for cross-checks). Raises BackendUnavailable / other errors."""
+    import torch
+    n_rot = rotations(case, l2_bytes)
+    shared: dict = {}
+    preps = []
+    try:
+        for r in range(n_rot):
+            preps.append(PREPARE[backend](case, r, device, shared))
+        preps[0].call()
+        torch.cuda.synchronize()
+        first_out = preps[0].out.clone()
+        ts = time_calls([p.call for p in preps], iters, warmup)
+    finally:
+        del preps
+    torch.cuda.empty_cache()
+    med = statistics.median(ts)
+    res = {
+        "median_us": med,
+        "p10_us": percentile(ts, 10),
+        "p90_us": percentile(ts, 90),
+        "min_us": min(ts),
+        "mean_us": statistics.fmean(ts),
+        "iters": len(ts),
+        "rotations": n_rot,
+    }
+    return res, first_out
+
+
+def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
+                     warmup: int = 10, device: str = "cuda", ceilings: dict | None = None,
+                     suite_label: str = "", log=print, on_record=None,
+                     l2_bytes: int = H200_L2_BYTES) -> list[dict]:
+    """Run every (case, backend); never raises for a backend failure: the record
+    then has ``status`` "skipped" (backend unavailable) or "error"."""
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    records: list[dict] = []
+    unavailable: dict[str, str] = {}
+    copy_gbps = (ceilings or {}).get("copy_gbps")
+    gemm_tflops = (ceilings or {}).get("gemm_tflops")
+    for case in cases:
+        by = min_bytes(case)
+        fl = flops(case)
+        outs: dict[str, object] = {}
+        for be in backends:
+            rec = {"suite": "kernel", "case": case.name, "backend": be,
+                   "bytes": by, "flops": fl, "shape": case.to_dict()}
+            if suite_label:
+                rec["kernel_suite"] = suite_label
+            if be in unavailable:
+                rec.update(status="skipped", error=unavailable[be])
+                log(f"[kernel] {case.name:<44} {be:<7} skipped: {unavailable[be]}")
+                records.append(rec)
+                if on_record:
+                    on_record(records)
+                continue
+            try:
+                res, out = run_case_backend(case, be, dev, iters=iters, warmup=warmup,
+                                            l2_bytes=l2_bytes)
+            except BackendUnavailable as e:
+                unavailable[be] = str(e)
+                rec.update(status="skipped", error=str(e))
+                log(f"[kernel] {case.name:<44} {be:<7} skipped: {e}")
+            except Exception as e:  # noqa: BLE001 - one failure must not end the run
+                rec.update(status="error", error=f"{type(e).__name__}: {e}",
+                           traceback=traceback.format_exc(limit=8))
+                log(f"[kernel] {case.name:<44} {be:<7} ERROR {type(e).__name__}: {e}")
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            else:
+                rec.update(status="ok", **res)
+                sec = res["median_us"] * 1e-6
+                rec["achieved_gbps"] = by / sec / 1e9
+                rec["achieved_tflops"] = fl / sec / 1e12
+                rec["frac_copy_bw"] = rec["achieved_gbps"] / copy_gbps if copy_gbps else None
+                rec["frac_gemm"] = rec["achieved_tflops"] / gemm_tflops if gemm_tflops else None
+                outs[be] = out
+                ref_name = "fa3" if "fa3" in outs else None
+                if ref_name and be != ref_name:
+                    rec["rel_err_vs_fa3"] = rel_err(out, outs[ref_name])
+                elif be == "fa3":
+                    # fa3 finished after others: back-fill their cross-check
+                    for r in records:
+                        if r["case"] == case.name and r["backend"] in outs and r["backend"] != "fa3":
+                            r["rel_err_vs_fa3"] = rel_err(outs[r["backend"]], out)
+                            log(f"[kernel] {case.name:<44} {r['backend']:<7} "
+                                f"rel_err vs fa3 = {r['rel_err_vs_fa3']:.2e}")
+                extra = (f"  rel_err_vs_fa3={rec['rel_err_vs_fa3']:.2e}"
+                         if "rel_err_vs_fa3" in rec else "")
+                fb = f"{rec['frac_copy_bw']:.2f}" if rec["frac_copy_bw"] is not None else "n/a"
+                fg = f"{rec['frac_gemm']:.3f}" if rec["frac_gemm"] is not None else "n/a"
+                log(f"[kernel] {case.name:<44} {be:<7} {res['median_us']:10.1f} us "
+                    f"(p10 {res['p10_us']:.1f} p90 {res['p90_us']:.1f}, rot {res['rotations']})"
+                    f"  {rec['achieved_gbps']:7.1f} GB/s bw={fb} gemm={fg}{extra}")
+            records.append(rec)
+            if on_record:
+                on_record(records)
+        del outs
+        torch.cuda.empty_cache()
+    return records

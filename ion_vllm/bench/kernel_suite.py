@@ -1,0 +1,255 @@
+"""Named attention shapes for the kernel A/B benchmark (pure Python, no torch).
+
+A :class:`Case` is one attention call of a vLLM step: a batch of requests, each
+with ``q_len`` new tokens and ``kv_len`` total KV tokens (``kv_len`` includes the
+new tokens, as ``seq_lens`` in docs/contract.md).  Every backend runs the same
+logical case; only the physical KV layout and page size differ per backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+
+DEFAULT_HQ = 28
+DEFAULT_HKV = 4
+DEFAULT_D = 128
+DEFAULT_FA_PAGE = 16
+ION_PAGE = 64
+SKEW_SEED = 1234
+SKEW_RANGE = (512, 16384)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    hq: int = DEFAULT_HQ
+    hkv: int = DEFAULT_HKV
+    d: int = DEFAULT_D
+    dtype: str = "bf16"
+    fa_page: int = DEFAULT_FA_PAGE
+    ion_page: int = ION_PAGE
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if len(self.q_lens) != len(self.kv_lens) or not self.q_lens:
+            raise ValueError(f"{self.name}: q_lens/kv_lens must be non-empty, equal length")
+        for q, k in zip(self.q_lens, self.kv_lens):
+            if q < 1 or k < q:
+                raise ValueError(f"{self.name}: need 1 <= q_len <= kv_len, got {q}, {k}")
+        if self.hq % self.hkv:
+            raise ValueError(f"{self.name}: hq {self.hq} not a multiple of hkv {self.hkv}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"{self.name}: unsupported dtype {self.dtype}")
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def total_kv(self) -> int:
+        return sum(self.kv_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def max_kv(self) -> int:
+        return max(self.kv_lens)
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def query_start_loc(self) -> list[int]:
+        out = [0]
+        for q in self.q_lens:
+            out.append(out[-1] + q)
+        return out
+
+    def num_pages(self, page: int) -> int:
+        """Pages needed to hold every request's KV at page size ``page``."""
+        return sum(math.ceil(k / page) for k in self.kv_lens)
+
+    def kv_bytes(self) -> int:
+        """K and V bytes of all KV tokens of all requests (one copy of the data)."""
+        return 2 * self.total_kv * self.hkv * self.d * self.elem_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "batch": self.batch,
+            "total_q": self.total_q,
+            "total_kv": self.total_kv,
+            "max_q": self.max_q,
+            "max_kv": self.max_kv,
+            "hq": self.hq,
+            "hkv": self.hkv,
+            "d": self.d,
+            "dtype": self.dtype,
+            "fa_page": self.fa_page,
+            "ion_page": self.ion_page,
+        }
+
+
+def min_bytes(case: Case) -> int:
+    """Minimum HBM traffic: K+V read once for every KV token of every request,
+    q read once, out written once."""
+    qo = 2 * case.total_q * case.hq * case.d * case.elem_bytes
+    return case.kv_bytes() + qo
+
+
+def attended_pairs(q_len: int, kv_len: int) -> int:
+    """Number of (query, key) pairs of one request under the causal mask of
+    docs/contract.md: new token i (0-based) sees kv_len - q_len + i + 1 keys."""
+    ctx = kv_len - q_len
+    return q_len * ctx + q_len * (q_len + 1) // 2
+
+
+def flops(case: Case) -> int:
+    """Causal-aware FLOPs: 2*d for q.k and 2*d for p.v per attended pair per q head."""
+    pairs = sum(attended_pairs(q, k) for q, k in zip(case.q_lens, case.kv_lens))
+    return 4 * case.d * case.hq * pairs
+
+
+def _suffix(hq: int, hkv: int, d: int, fa_page: int) -> str:
+    s = f"-h{hq}/{hkv}-d{d}"
+    if fa_page != DEFAULT_FA_PAGE:
+        s += f"-fap{fa_page}"
+    return s
+
+
+def decode(batch: int, kv: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
+           fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    return Case(f"decode-{batch}x{kv}" + _suffix(hq, hkv, d, fa_page),
+                (1,) * batch, (kv,) * batch, hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
+
+
+def skewed_kv_lens(batch: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    """KV lengths uniform in [lo, hi] (inclusive), deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    return tuple(int(x) for x in rng.integers(lo, hi + 1, size=batch))
+
+
+def decode_skewed(batch: int = 32, lo: int = SKEW_RANGE[0], hi: int = SKEW_RANGE[1],
+                  seed: int = SKEW_SEED, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
+                  fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    kv = skewed_kv_lens(batch, lo, hi, seed)
+    return Case(f"decode-{batch}xU{lo}-{hi}s{seed}" + _suffix(hq, hkv, d, fa_page),
+                (1,) * batch, kv, hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
+
+
+def mixed(batch: int, kv: int, chunk: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
+          fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    """``batch`` decode rows at ``kv`` plus one fresh prefill chunk of ``chunk``
+    tokens whose KV length is ``chunk`` (causal)."""
+    return Case(f"mixed-{batch}x{kv}+p{chunk}" + _suffix(hq, hkv, d, fa_page),
+                (1,) * batch + (chunk,), (kv,) * batch + (chunk,), hq, hkv, d,
+                fa_page=fa_page, tags=tuple(tags))
+
+
+def prefill(length: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
+            fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    return Case(f"prefill-1x{length}" + _suffix(hq, hkv, d, fa_page),
+                (length,), (length,), hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
+
+
+def _anchors() -> list[Case]:
+    return [
+        decode(32, 8192),
+        decode(128, 2048),
+        decode(8, 32768),
+        decode_skewed(32),
+        mixed(32, 8192, 2048),
+        prefill(8192),
+    ]
+
+
+def _gqa() -> list[Case]:
+    cases = []
+    for hq, hkv in ((32, 8), (28, 4), (64, 8)):
+        for d in (64, 128):
+            cases.append(decode(32, 8192, hq, hkv, d))
+            cases.append(mixed(32, 8192, 2048, hq, hkv, d))
+    return cases
+
+
+def _pages() -> list[Case]:
+    return [
+        decode(32, 8192, fa_page=64),
+        decode_skewed(32, fa_page=64),
+        mixed(32, 8192, 2048, fa_page=64),
+        prefill(8192, fa_page=64),
+    ]
+
+
+def _smoke() -> list[Case]:
+    return [decode(32, 8192), mixed(32, 8192, 2048)]
+
+
+def _dedupe(cases: list[Case]) -> list[Case]:
+    seen: dict[str, Case] = {}
+    for c in cases:
+        if c.name in seen:
+            if seen[c.name] != c:
+                raise ValueError(f"two different cases named {c.name}")
+            continue
+        seen[c.name] = c
+    return list(seen.values())
+
+
+SUITES = ("smoke", "anchors", "gqa", "pages", "full")
+
+
+def suite(name: str) -> list[Case]:
+    if name == "smoke":
+        return _smoke()
+    if name == "anchors":
+        return _anchors()
+    if name == "gqa":
+        return _dedupe(_gqa())
+    if name == "pages":
+        return _pages()
+    if name == "full":
+        return _dedupe(_anchors() + _gqa() + _pages())
+    raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
+
+
+def all_cases() -> dict[str, Case]:
+    return {c.name: c for c in suite("full")}
+
+
+def select(suites: list[str] | None = None, names: list[str] | None = None) -> list[Case]:
+    """Cases of the given suites plus the named cases (in order, deduplicated).
+    With neither, the ``smoke`` suite."""
+    picked: list[Case] = []
+    for s in suites or []:
+        picked.extend(suite(s))
+    if names:
+        table = all_cases()
+        for n in names:
+            if n not in table:
+                close = [k for k in table if n in k]
+                hint = f" (did you mean: {', '.join(close[:5])})" if close else ""
+                raise KeyError(f"unknown case {n!r}{hint}")
+            picked.append(table[n])
+    if not suites and not names:
+        picked = suite("smoke")
+    return _dedupe(picked)
+
+
+def rotations(case: Case, l2_bytes: int = 50 * 1024 * 1024, min_rot: int = 2) -> int:
+    """Number of independent KV copies to cycle through so that the KV bytes
+    touched between two uses of the same copy exceed 2x L2."""
+    return max(min_rot, math.ceil(2 * l2_bytes / max(1, case.kv_bytes())))

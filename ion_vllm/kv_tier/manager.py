@@ -1,0 +1,278 @@
+"""Scheduler-side bookkeeping of the Ion KV tier's pinned host pool.
+
+One offload chunk is one vLLM KV block (``blocks_per_chunk == 1``); a host
+block holds the block's bytes of every layer of one worker (TP ranks keep their
+own shard in their own host pool under the same host block id).
+
+State of a host block (``_Entry``):
+  * ``ref == -1``  store in flight (prepared, not completed): HIT_PENDING,
+                   neither loadable nor evictable;
+  * ``ref == 0``   ready and idle: loadable, evictable, sits in ``_lru``;
+  * ``ref  > 0``   ready, ``ref`` loads in flight: loadable, not evictable.
+
+LRU: ``_lru`` holds exactly the idle blocks, least recently used first.  A
+block becomes most recently used when its store completes, when its last load
+completes and when it is touched.  ``touch(keys)`` walks the keys backwards, so
+the first block of a sequence ends up the most recent one: a request's tail is
+evicted before its prefix, which keeps a prefix hit useful.
+
+Back-off: at most ``max_inflight_blocks`` blocks may be prepared but not yet
+completed (the writeback window, sized from the worker's HBM staging ring).
+Blocks above that are dropped from ``prepare_store`` (counted) instead of
+queueing unbounded work behind the forward pass; the scheduler then simply
+never stores them for this request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from ion_vllm.kv_tier.stats import M, ManagerCounters
+
+MEDIUM = "CPU"
+
+
+class IonHostSpec(BlockIDsLoadStoreSpec):
+    """Host block ids of the Ion pinned pool (one id per KV block)."""
+
+
+class _Entry:
+    __slots__ = ("block_id", "ref")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref = -1
+
+    @property
+    def ready(self) -> bool:
+        return self.ref >= 0
+
+
+class IonKVTierManager(OffloadingManager):
+    def __init__(
+        self,
+        num_host_blocks: int,
+        block_bytes: int,
+        host_bytes_budget: int,
+        max_inflight_blocks: int,
+        enable_events: bool = False,
+    ):
+        if num_host_blocks * block_bytes > host_bytes_budget:
+            raise ValueError("host pool larger than its byte budget")
+        if max_inflight_blocks < 1:
+            raise ValueError("max_inflight_blocks must be >= 1")
+        self.num_host_blocks = num_host_blocks
+        self.block_bytes = block_bytes
+        self.host_bytes_budget = host_bytes_budget
+        self.max_inflight_blocks = max_inflight_blocks
+        self._entries: dict[OffloadKey, _Entry] = {}
+        self._lru: OrderedDict[OffloadKey, None] = OrderedDict()
+        # Free host block ids, kept sorted descending so pop() gives the lowest
+        # id: consecutive stores get consecutive host blocks, which the worker
+        # coalesces into few large D2H copies.
+        self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._free_sorted = True
+        self._inflight = 0
+        self.counters = ManagerCounters()
+        self._reported = self.counters.snapshot()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def used_blocks(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._entries) * self.block_bytes
+
+    @property
+    def inflight_blocks(self) -> int:
+        return self._inflight
+
+    def lru_keys(self) -> list[OffloadKey]:
+        return list(self._lru)
+
+    def _take_free(self, n: int) -> list[int]:
+        if not self._free_sorted:
+            self._free.sort(reverse=True)
+            self._free_sorted = True
+        out = self._free[-n:][::-1] if n else []
+        del self._free[len(self._free) - n :]
+        return out
+
+    def _give_free(self, block_id: int) -> None:
+        self._free.append(block_id)
+        self._free_sorted = False
+
+    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+        if self._events is not None and keys:
+            self._events.append(OffloadingEvent(keys=keys, medium=MEDIUM, removed=removed))
+
+    # ------------------------------------------------------------ interface
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.counters.lookup_blocks += 1
+        e = self._entries.get(key)
+        if e is None:
+            return LookupResult.MISS
+        self.counters.lookup_hit_blocks += 1
+        return LookupResult.HIT if e.ready else LookupResult.HIT_PENDING
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> IonHostSpec:
+        ids = []
+        for key in keys:
+            e = self._entries.get(key)
+            assert e is not None and e.ready, f"block {key!r} not loadable"
+            if e.ref == 0:
+                del self._lru[key]
+            e.ref += 1
+            ids.append(e.block_id)
+        self.counters.loaded_blocks += len(ids)
+        return IonHostSpec(ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in reversed(list(keys)):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            e = self._entries.get(key)
+            assert e is not None and e.ref > 0, f"block {key!r} was not being loaded"
+            e.ref -= 1
+            if e.ref == 0:
+                self._lru[key] = None
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput:
+        wanted: list[OffloadKey] = []
+        seen: set[OffloadKey] = set()
+        for k in keys:
+            if k not in self._entries and k not in seen:
+                wanted.append(k)
+                seen.add(k)
+
+        # Back-off 1: bounded writeback window (keep the prefix of the list).
+        room = max(0, self.max_inflight_blocks - self._inflight)
+        if len(wanted) > room:
+            self.counters.store_dropped_blocks += len(wanted) - room
+            wanted = wanted[:room]
+
+        # Back-off 2: host space; evict idle LRU blocks, never one of `keys`.
+        protected = set(keys)
+        need = len(wanted) - len(self._free)
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            for k in self._lru:
+                if len(evicted) == need:
+                    break
+                if k not in protected:
+                    evicted.append(k)
+            for k in evicted:
+                del self._lru[k]
+                self._give_free(self._entries.pop(k).block_id)
+            self.counters.evicted_blocks += len(evicted)
+            if len(wanted) > len(self._free):
+                self.counters.store_no_space_blocks += len(wanted) - len(self._free)
+                wanted = wanted[: len(self._free)]
+        self._emit(evicted, removed=True)
+
+        ids = self._take_free(len(wanted))
+        for k, b in zip(wanted, ids):
+            self._entries[k] = _Entry(b)
+        self._inflight += len(wanted)
+        self.counters.stored_blocks += len(wanted)
+        return PrepareStoreOutput(
+            keys_to_store=wanted, store_spec=IonHostSpec(ids), evicted_keys=evicted
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        done: list[OffloadKey] = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.ready:
+                continue
+            self._inflight -= 1
+            if success:
+                e.ref = 0
+                self._lru[key] = None
+                done.append(key)
+                self.counters.completed_store_blocks += 1
+            else:
+                del self._entries[key]
+                self._give_free(e.block_id)
+                self.counters.failed_store_blocks += 1
+        self._emit(done, removed=False)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            ev, self._events = self._events, []
+            yield from ev
+
+    def reset_cache(self) -> None:
+        self._entries.clear()
+        self._lru.clear()
+        self._free = list(range(self.num_host_blocks - 1, -1, -1))
+        self._free_sorted = True
+        self._inflight = 0
+
+    def get_stats(self):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        s = OffloadingConnectorStats()
+        d = self.counters.delta(self._reported)
+        self._reported = self.counters.snapshot()
+        for name, field_name in (
+            (M.LOOKUP_BLOCKS, "lookup_blocks"),
+            (M.LOOKUP_HIT_BLOCKS, "lookup_hit_blocks"),
+            (M.LOADED_BLOCKS, "loaded_blocks"),
+            (M.STORED_BLOCKS, "completed_store_blocks"),
+            (M.STORE_DROPPED_BLOCKS, "store_dropped_blocks"),
+            (M.STORE_NO_SPACE_BLOCKS, "store_no_space_blocks"),
+            (M.EVICTED_BLOCKS, "evicted_blocks"),
+        ):
+            if d[field_name]:
+                s.increase_counter(name, d[field_name])
+        s.set_gauge(M.HOST_USED_BYTES, self.used_bytes)
+        s.set_gauge(
+            M.HOST_USAGE_PERC,
+            self.used_blocks / self.num_host_blocks if self.num_host_blocks else 0.0,
+        )
+        s.set_gauge(M.INFLIGHT_STORE_PERC, self._inflight / self.max_inflight_blocks)
+        return s
+
+    # ------------------------------------------------------------ checking
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the internal state is inconsistent."""
+        ids = [e.block_id for e in self._entries.values()]
+        assert len(ids) == len(set(ids)), "host block shared by two keys"
+        assert not set(ids) & set(self._free), "host block both used and free"
+        assert len(ids) + len(self._free) == self.num_host_blocks, "host block leaked"
+        assert self.used_bytes <= self.host_bytes_budget, "host byte budget exceeded"
+        idle = {k for k, e in self._entries.items() if e.ref == 0}
+        assert idle == set(self._lru), "LRU list != idle blocks"
+        pending = sum(1 for e in self._entries.values() if e.ref < 0)
+        assert pending == self._inflight, "in-flight count drift"
+        assert self._inflight <= self.max_inflight_blocks, "writeback window exceeded"

@@ -1,0 +1,109 @@
+"""IonKVTierSpec: vLLM OffloadingSpec for the Ion pinned-host KV tier.
+
+Selected with the standard OffloadingConnector:
+  --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+     "kv_connector_extra_config":{"spec_name":"IonKVTier","cpu_bytes_to_use":<bytes>}}'
+(or ``--kv-offloading-size <GiB>`` which fills in OffloadingConnector and
+``cpu_bytes_to_use``, plus ``--kv-transfer-config
+'{"kv_connector_extra_config":{"spec_name":"IonKVTier"}}'``).
+
+kv_connector_extra_config keys:
+  cpu_bytes_to_use | host_gib   host pool byte budget (all TP ranks together)
+  ring_mib                      HBM staging ring per worker (default 256)
+  max_inflight_mib              writeback window per worker (default 4 x ring)
+  offload_prompt_only           default False here: every full block is stored,
+                                decode blocks included
+  copier                        "auto" | "batch" | "torch"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from ion_vllm.kv_tier.manager import IonKVTierManager
+from ion_vllm.kv_tier.stats import metric_definitions
+
+logger = init_logger(__name__)
+
+DEFAULT_RING_MIB = 256
+DEFAULT_WINDOW_RINGS = 4
+
+
+def host_bytes_from_extra(extra: dict[str, Any]) -> int:
+    if extra.get("cpu_bytes_to_use"):
+        return int(float(extra["cpu_bytes_to_use"]))
+    if extra.get("host_gib"):
+        return int(float(extra["host_gib"]) * (1 << 30))
+    raise ValueError(
+        "Ion KV tier: set the host pool size with --kv-offloading-size <GiB> or "
+        "kv_connector_extra_config 'cpu_bytes_to_use' / 'host_gib'"
+    )
+
+
+class IonKVTierSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return metric_definitions()
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        extra = dict(self.extra_config)
+        # Eager writeback of every full block (decode blocks too): that is what
+        # lets a preempted request resume from host memory.  vLLM's default
+        # (True) only stores prompt blocks.
+        self.offload_prompt_only = bool(extra.get("offload_prompt_only", False))
+        if self.blocks_per_chunk != 1:
+            raise ValueError("Ion KV tier stores one KV block per chunk; "
+                             "do not set block_size/blocks_per_chunk")
+        self.host_bytes = host_bytes_from_extra(extra)
+        self.ring_bytes = int(float(extra.get("ring_mib", DEFAULT_RING_MIB)) * (1 << 20))
+        world = max(1, config.parallel.world_size)
+        self.worker_block_bytes = config.worker_kv_bytes_per_block
+        self.block_bytes = self.worker_block_bytes * world
+        self.num_host_blocks = (self.host_bytes // self.block_bytes
+                                if self.block_bytes > 0 else 0)
+        window_bytes = int(float(extra.get(
+            "max_inflight_mib", DEFAULT_WINDOW_RINGS * self.ring_bytes / (1 << 20)
+        )) * (1 << 20))
+        self.max_inflight_blocks = (
+            max(1, window_bytes // self.worker_block_bytes)
+            if self.worker_block_bytes > 0 else 1)
+        self.copier = str(extra.get("copier", "auto"))
+        self._manager: IonKVTierManager | None = None
+        self._worker = None
+        logger.info(
+            "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
+            "writeback window %d blocks, prompt_only=%s",
+            self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
+            self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only)
+
+    def get_manager(self) -> IonKVTierManager:
+        if self._manager is None:
+            self._manager = IonKVTierManager(
+                num_host_blocks=self.num_host_blocks,
+                block_bytes=self.block_bytes,
+                host_bytes_budget=self.host_bytes,
+                max_inflight_blocks=self.max_inflight_blocks,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches):
+        if self._worker is None:
+            from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+            self._worker = IonKVTierWorker(
+                kv_caches,
+                num_host_blocks=self.num_host_blocks,
+                ring_bytes=self.ring_bytes,
+                copier=self.copier,
+            )
+            if self._worker.slot_bytes != self.worker_block_bytes:
+                logger.warning(
+                    "Ion KV tier: worker block is %d B, scheduler assumed %d B",
+                    self._worker.slot_bytes, self.worker_block_bytes)
+        return self._worker

@@ -1,0 +1,139 @@
+"""Counters of the Ion KV tier and their export through vLLM's offloading metrics.
+
+Scheduler side (``IonKVTierManager``): lookups, hits, loads, stores, drops,
+evictions, host-pool usage and the in-flight writeback window (an upper bound
+of the HBM staging ring occupancy, mirrored from the scheduler's view).  They
+travel to Prometheus through ``OffloadingManager.get_stats()`` ->
+``OffloadingConnectorStats`` -> ``OffloadPromMetrics``, which creates one
+Prometheus metric per entry returned by ``IonKVTierSpec.build_metric_definitions``.
+
+Worker side (``IonKVTierWorker``): real ring occupancy, D2D / D2H / H2D bytes and
+seconds, deferred and bypassed blocks.  vLLM forwards only the per-job
+``TransferResult(transfer_size, transfer_time)`` from workers to the scheduler;
+the worker reports the *D2H drain* time for stores and the *H2D* time for
+loads there, so vLLM's own ``vllm:kv_offload_store_bytes / _store_time`` and
+``vllm:kv_offload_load_bytes / _load_time`` give the measured GB/s.  The rest of
+the worker counters are read from ``worker.stats`` and logged periodically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "vllm:ion_kv_tier_"
+
+
+class M:
+    """Metric names (Prometheus) emitted by the manager."""
+
+    LOOKUP_BLOCKS = PREFIX + "lookup_blocks"
+    LOOKUP_HIT_BLOCKS = PREFIX + "lookup_hit_blocks"
+    LOADED_BLOCKS = PREFIX + "loaded_blocks"
+    STORED_BLOCKS = PREFIX + "stored_blocks"
+    STORE_DROPPED_BLOCKS = PREFIX + "store_dropped_blocks"
+    STORE_NO_SPACE_BLOCKS = PREFIX + "store_no_space_blocks"
+    EVICTED_BLOCKS = PREFIX + "evicted_blocks"
+    HOST_USED_BYTES = PREFIX + "host_used_bytes"
+    HOST_USAGE_PERC = PREFIX + "host_usage_perc"
+    INFLIGHT_STORE_PERC = PREFIX + "inflight_store_window_perc"
+
+
+def metric_definitions() -> dict[str, Any]:
+    """Definitions in the form OffloadingSpec.build_metric_definitions returns."""
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+    )
+
+    C, G = OffloadingCounterMetadata, OffloadingGaugeMetadata
+    return {
+        M.LOOKUP_BLOCKS: C(documentation="Ion KV tier: blocks looked up in the host pool."),
+        M.LOOKUP_HIT_BLOCKS: C(
+            documentation="Ion KV tier: looked-up blocks found in the host pool "
+            "(ready or being written)."
+        ),
+        M.LOADED_BLOCKS: C(documentation="Ion KV tier: blocks restored host->GPU."),
+        M.STORED_BLOCKS: C(documentation="Ion KV tier: blocks written back GPU->host."),
+        M.STORE_DROPPED_BLOCKS: C(
+            documentation="Ion KV tier: blocks not written back because the "
+            "writeback window (staging ring backlog) was full (back-off)."
+        ),
+        M.STORE_NO_SPACE_BLOCKS: C(
+            documentation="Ion KV tier: blocks not written back because every "
+            "host block was pinned by in-flight transfers."
+        ),
+        M.EVICTED_BLOCKS: C(documentation="Ion KV tier: host blocks evicted (LRU)."),
+        M.HOST_USED_BYTES: G(documentation="Ion KV tier: host bytes holding blocks."),
+        M.HOST_USAGE_PERC: G(documentation="Ion KV tier: host pool usage (0..1)."),
+        M.INFLIGHT_STORE_PERC: G(
+            documentation="Ion KV tier: writeback blocks in flight / window size "
+            "(0..1); >= ring share means the ring is full and later blocks wait."
+        ),
+    }
+
+
+@dataclass
+class ManagerCounters:
+    """Monotonic counters of the scheduler-side manager (never reset)."""
+
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    loaded_blocks: int = 0
+    stored_blocks: int = 0  # prepare_store accepted
+    completed_store_blocks: int = 0
+    failed_store_blocks: int = 0
+    store_dropped_blocks: int = 0
+    store_no_space_blocks: int = 0
+    evicted_blocks: int = 0
+
+    def snapshot(self) -> "ManagerCounters":
+        return dataclasses.replace(self)
+
+    def delta(self, prev: "ManagerCounters") -> dict[str, int]:
+        return {
+            f.name: getattr(self, f.name) - getattr(prev, f.name)
+            for f in dataclasses.fields(self)
+        }
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker (per process / per TP rank)."""
+
+    store_jobs: int = 0
+    load_jobs: int = 0
+    d2d_blocks: int = 0  # blocks copied GPU KV -> staging ring
+    d2d_bytes: int = 0
+    drained_blocks: int = 0  # blocks copied ring -> pinned host
+    drained_bytes: int = 0
+    drain_seconds: float = 0.0
+    bypass_blocks: int = 0  # flushed GPU -> host directly (ring full at flush)
+    bypass_bytes: int = 0
+    bypass_seconds: float = 0.0
+    deferred_blocks: int = 0  # blocks that had to wait for ring space
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    loads_ordered_after_drain: int = 0
+    ring_slots: int = 0
+    ring_used_slots: int = 0
+    ring_peak_slots: int = 0
+    samples: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def d2h_gbps(self) -> float:
+        t = self.drain_seconds + self.bypass_seconds
+        return (self.drained_bytes + self.bypass_bytes) / t / 1e9 if t > 0 else 0.0
+
+    @property
+    def h2d_gbps(self) -> float:
+        return self.loaded_bytes / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.pop("samples")
+        d["d2h_gbps"] = self.d2h_gbps
+        d["h2d_gbps"] = self.h2d_gbps
+        return d

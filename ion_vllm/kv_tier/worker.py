@@ -1,0 +1,531 @@
+"""Worker side of the Ion KV tier: GPU -> HBM ring -> pinned host, host -> GPU.
+
+Data layout
+-----------
+vLLM's OffloadingConnector hands the spec ``CanonicalKVCaches``: a list of
+tensors whose first dimension is ``num_blocks`` (one per layer, or one for a
+cross-layer KV cache), viewed as int8 rows of ``page_size_bytes``.  This holds
+for the ION layout ``[num_blocks, 2, Hkv, P, D]`` and for FLASH_ATTN in vLLM
+0.26 (``[num_blocks, Hkv, P, 2*D]``, K and V packed into the last dim).  For a
+layout whose outer dim is K/V (``[2, num_blocks, P, Hkv, D]``), use
+``canonicalize_layer_caches`` which splits it into a K and a V tensor, each
+blocks-first; the worker itself only ever sees blocks-first rows.
+
+A host block (and a ring slot) is the concatenation of the block's bytes in
+every canonical tensor: ``slot_bytes = sum(page_size_bytes)`` (= vLLM's
+``worker_kv_bytes_per_block``).
+
+Store (one job = the new full blocks of one request in one step)
+------------------------------------------------------------------
+1. D2D on a high-priority stream, after the compute stream: gather the GPU
+   blocks into a contiguous run of ring slots.
+2. Drain on a low-priority stream, after (1): copy the ring run to the host
+   blocks (runs of consecutive host ids are one memcpy each).
+3. When the drain completes the slots go back to the ring; the job is reported
+   finished (``get_finished``) once all its blocks are on the host, so the
+   scheduler only marks blocks loadable when they really are in host memory.
+``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
+preemption or block reuse) waits only for step (1).  If the ring had no room
+for some blocks of the job (they were deferred), those are copied GPU -> host
+directly (bypass, counted): the one case where the forward waits on PCIe.
+
+Load: host -> GPU on its own stream, ordered after any still-running drain of
+the same host blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
+from ion_vllm.kv_tier.staging_ring import StagingRing
+from ion_vllm.kv_tier.stats import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------
+def _rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View a blocks-first tensor as (num_blocks, bytes) int8 without copying."""
+    assert t.shape[0] == num_blocks
+    inner = t[0] if num_blocks else t
+    if not inner.is_contiguous():
+        raise ValueError("the bytes of one KV block must be contiguous")
+    nbytes = inner.numel() * t.element_size()
+    raw = torch.empty(0, dtype=torch.int8, device=t.device).set_(t.untyped_storage())
+    return torch.as_strided(
+        raw, (num_blocks, nbytes), (t.stride(0) * t.element_size(), 1),
+        t.storage_offset() * t.element_size(),
+    )
+
+
+def canonicalize_layer_caches(
+    caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    num_blocks: int,
+    layout: str = "auto",
+) -> CanonicalKVCaches:
+    """Build CanonicalKVCaches (single KV group) from per-layer KV tensors.
+
+    layout: "blocks_first" ([num_blocks, ...], e.g. ION [num_blocks, 2, Hkv, P, D]),
+    "kv_first" ([2, num_blocks, ...], e.g. [2, num_blocks, P, Hkv, D]) or "auto"
+    (dim 0 == num_blocks -> blocks_first, else dim 0 == 2 and dim 1 ==
+    num_blocks -> kv_first).  Layers sharing storage are kept once.
+    """
+    tensors = list(caches.values()) if isinstance(caches, Mapping) else list(caches)
+    out: list[CanonicalKVCacheTensor] = []
+    seen: set[tuple[int, int]] = set()
+    for t in tensors:
+        lay = layout
+        if lay == "auto":
+            if t.shape[0] == num_blocks and not (num_blocks == 2 and t.ndim > 1 and t.shape[1] == 2):
+                lay = "blocks_first"
+            elif t.shape[0] == 2 and t.ndim > 1 and t.shape[1] == num_blocks:
+                lay = "kv_first"
+            else:
+                raise ValueError(f"cannot find num_blocks={num_blocks} in shape {tuple(t.shape)}")
+        parts = [t] if lay == "blocks_first" else [t[0], t[1]]
+        for p in parts:
+            key = (p.data_ptr(), p.stride(0))
+            if key in seen:
+                continue
+            seen.add(key)
+            r = _rows(p, num_blocks)
+            out.append(CanonicalKVCacheTensor(tensor=r, page_size_bytes=r.shape[1]))
+    refs = [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=c.page_size_bytes)
+            for i, c in enumerate(out)]
+    return CanonicalKVCaches(tensors=out, group_data_refs=[refs])
+
+
+# --------------------------------------------------------------------------
+# copies
+# --------------------------------------------------------------------------
+def _runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Split positions into maximal runs where both a and b step by +1.
+    Returns (i0, i1, a0, b0)."""
+    n = len(a)
+    if n == 0:
+        return []
+    brk = np.nonzero((np.diff(a) != 1) | (np.diff(b) != 1))[0] + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [n]))
+    return [(int(s), int(e), int(a[s]), int(b[s])) for s, e in zip(starts, ends)]
+
+
+class TorchCopier:
+    """Block copies with plain torch ops; any device (CPU tests, CUDA fallback)."""
+
+    name = "torch"
+
+    def __init__(self, tensors: list[torch.Tensor], offsets: list[int],
+                 group_refs: list[list[tuple[int, int]]]):
+        self.tensors = tensors
+        self.offsets = offsets
+        self.group_refs = group_refs
+
+    def gather(self, ring: torch.Tensor, start: int, group: int,
+               gpu_ids: np.ndarray) -> None:
+        n = len(gpu_ids)
+        for t, nb in self.group_refs[group]:
+            src = self.tensors[t]
+            idx = torch.from_numpy(gpu_ids).to(src.device)
+            off = self.offsets[t]
+            ring[start:start + n, off:off + nb].copy_(src.index_select(0, idx)[:, :nb])
+
+    def drain(self, ring: torch.Tensor, start: int, host: torch.Tensor,
+              host_ids: np.ndarray) -> None:
+        slots = np.arange(start, start + len(host_ids))
+        for i0, i1, s0, h0 in _runs(slots, host_ids):
+            host[h0:h0 + (i1 - i0)].copy_(ring[s0:s0 + (i1 - i0)], non_blocking=True)
+
+    def to_host(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
+                host_ids: np.ndarray) -> None:
+        for t, nb in self.group_refs[group]:
+            src, off = self.tensors[t], self.offsets[t]
+            for i0, i1, g0, h0 in _runs(gpu_ids, host_ids):
+                n = i1 - i0
+                host[h0:h0 + n, off:off + nb].copy_(src[g0:g0 + n, :nb], non_blocking=True)
+
+    def to_gpu(self, host: torch.Tensor, group: int, host_ids: np.ndarray,
+               gpu_ids: np.ndarray) -> None:
+        for t, nb in self.group_refs[group]:
+            dst, off = self.tensors[t], self.offsets[t]
+            for i0, i1, h0, g0 in _runs(host_ids, gpu_ids):
+                n = i1 - i0
+                dst[g0:g0 + n, :nb].copy_(host[h0:h0 + n, off:off + nb], non_blocking=True)
+
+
+class BatchCopier(TorchCopier):
+    """CUDA: all block x layer copies of one call in one driver call
+    (vLLM's swap_blocks_batch -> cuMemcpyBatchAsync)."""
+
+    name = "batch"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        from vllm import _custom_ops as ops
+
+        self._swap = ops.swap_blocks_batch
+        self._base = [t.data_ptr() for t in self.tensors]
+        self._stride = [t.stride(0) for t in self.tensors]
+
+    def _submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                src_any: bool) -> None:
+        if len(src) == 0:
+            return
+        self._swap(torch.from_numpy(src.astype(np.int64)),
+                   torch.from_numpy(dst.astype(np.int64)),
+                   torch.from_numpy(sizes.astype(np.int64)),
+                   is_src_access_order_any=src_any)
+
+    def _ptrs(self, group: int, gpu_ids: np.ndarray, other_base: int,
+              other_ids: np.ndarray, other_stride: int):
+        src, dst, sz = [], [], []
+        g = gpu_ids.astype(np.int64)
+        o = other_ids.astype(np.int64)
+        for t, nb in self.group_refs[group]:
+            src.append(self._base[t] + g * self._stride[t])
+            dst.append(other_base + o * other_stride + self.offsets[t])
+            sz.append(np.full(len(g), nb, dtype=np.int64))
+        return np.concatenate(src), np.concatenate(dst), np.concatenate(sz)
+
+    def gather(self, ring, start, group, gpu_ids):
+        slots = np.arange(start, start + len(gpu_ids))
+        s, d, z = self._ptrs(group, gpu_ids, ring.data_ptr(), slots, ring.stride(0))
+        self._submit(s, d, z, src_any=False)
+
+    def to_host(self, host, group, gpu_ids, host_ids):
+        s, d, z = self._ptrs(group, gpu_ids, host.data_ptr(), host_ids, host.stride(0))
+        self._submit(s, d, z, src_any=False)
+
+    def to_gpu(self, host, group, host_ids, gpu_ids):
+        g_ptr, h_ptr, z = self._ptrs(group, gpu_ids, host.data_ptr(), host_ids, host.stride(0))
+        self._submit(h_ptr, g_ptr, z, src_any=True)
+
+
+# --------------------------------------------------------------------------
+# worker
+# --------------------------------------------------------------------------
+@dataclass
+class _Piece:
+    job: "_StoreJob"
+    first: int
+    count: int
+    ring_run: tuple[int, int] | None  # None: bypass (direct GPU -> host)
+    read_done: Any  # event: the GPU source blocks have been read
+    start: Any
+    end: Any  # event: the bytes are on the host
+
+
+@dataclass
+class _StoreJob:
+    job_id: int
+    groups: np.ndarray
+    gpu: np.ndarray
+    host: np.ndarray
+    nbytes: int
+    next_item: int = 0
+    deferred_counted: bool = False
+    pieces: list[_Piece] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.gpu)
+
+
+@dataclass
+class _LoadJob:
+    job_id: int
+    nbytes: int
+    n: int
+    start: Any
+    end: Any
+
+
+def _flatten(gpu_spec: GPULoadStoreSpec, other: BlockIDsLoadStoreSpec):
+    gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+    oth = np.asarray(other.block_ids, dtype=np.int64)
+    if len(gpu) != len(oth):
+        raise ValueError(
+            f"Ion KV tier needs one host block per GPU block (blocks_per_chunk=1); "
+            f"got {len(gpu)} GPU and {len(oth)} host blocks")
+    sizes = list(gpu_spec.group_sizes)
+    groups = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    assert len(groups) == len(gpu)
+    return groups, gpu, oth
+
+
+def _group_runs(groups: np.ndarray, a: int, b: int):
+    """Yield (group, i0, i1) for maximal same-group runs of positions [a, b)."""
+    i = a
+    while i < b:
+        g = int(groups[i])
+        j = i + 1
+        while j < b and groups[j] == g:
+            j += 1
+        yield g, i, j
+        i = j
+
+
+class IonKVTierWorker(OffloadingWorker):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        num_host_blocks: int,
+        ring_bytes: int,
+        runtime: Any | None = None,
+        copier: str = "auto",
+        pin_memory: bool | None = None,
+        log_interval_s: float = 30.0,
+    ):
+        if not kv_caches.tensors:
+            raise ValueError("no KV cache tensors")
+        self.tensors = [c.tensor for c in kv_caches.tensors]
+        num_blocks = self.tensors[0].shape[0]
+        for c in kv_caches.tensors:
+            t = c.tensor
+            assert t.dtype == torch.int8 and t.ndim == 2 and t.shape[0] == num_blocks
+            assert t.stride(1) == 1 and t.shape[1] >= c.page_size_bytes
+        self.page_bytes = [c.page_size_bytes for c in kv_caches.tensors]
+        self.offsets = [int(x) for x in np.cumsum([0] + self.page_bytes[:-1])]
+        self.slot_bytes = int(sum(self.page_bytes))
+        group_refs = [[(r.tensor_idx, r.page_size_bytes) for r in g]
+                      for g in kv_caches.group_data_refs]
+        self.group_bytes = [sum(nb for _, nb in g) for g in group_refs]
+        self.device = self.tensors[0].device
+        is_cuda = self.device.type == "cuda"
+        self.rt = runtime if runtime is not None else (
+            CudaRuntime(self.device) if is_cuda else SimRuntime(eager=True))
+        if copier == "auto":
+            copier = "torch"
+            if is_cuda:
+                try:
+                    import vllm._custom_ops as ops  # noqa: F401
+
+                    if hasattr(torch.ops, "_C_cache_ops") and hasattr(
+                            torch.ops._C_cache_ops, "swap_blocks_batch"):
+                        copier = "batch"
+                except Exception:  # pragma: no cover - missing vLLM CUDA ops
+                    copier = "torch"
+        cls = BatchCopier if copier == "batch" else TorchCopier
+        self.copier = cls(self.tensors, self.offsets, group_refs)
+        if pin_memory is None:
+            pin_memory = is_cuda
+        self.num_host_blocks = num_host_blocks
+        t0 = time.monotonic()
+        self.host = torch.empty((num_host_blocks, self.slot_bytes), dtype=torch.int8,
+                                device="cpu", pin_memory=pin_memory)
+        logger.info("Ion KV tier: %d host blocks x %d B = %.2f GiB pinned=%s (%.1fs)",
+                    num_host_blocks, self.slot_bytes,
+                    num_host_blocks * self.slot_bytes / 2**30, pin_memory,
+                    time.monotonic() - t0)
+        self.ring = StagingRing(ring_bytes, self.slot_bytes, self.device)
+        self._d2d = self.rt.new_stream(high_priority=True)
+        self._drain = self.rt.new_stream(high_priority=False)
+        self._load = self.rt.new_stream(high_priority=False)
+        self._queue: deque[_StoreJob] = deque()  # jobs with blocks not yet issued
+        self._ring_pieces: deque[_Piece] = deque()  # holding ring slots, FIFO
+        self._stores: dict[int, _StoreJob] = {}
+        self._loads: dict[int, _LoadJob] = {}
+        self._host_pending: dict[int, Any] = {}  # host id -> end event of its write
+        self.stats = WorkerStats(ring_slots=self.ring.num_slots)
+        self._log_interval = log_interval_s
+        self._last_log = time.monotonic()
+
+    # ------------------------------------------------------------ stores
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
+        groups, gpu, host = _flatten(src_spec, dst_spec)
+        nbytes = int(sum(self.group_bytes[g] for g in groups))
+        job = _StoreJob(job_id, groups, gpu, host, nbytes)
+        self._stores[job_id] = job
+        self.stats.store_jobs += 1
+        self._queue.append(job)
+        self._pump()
+        return True
+
+    def _issue_ring_piece(self, job: _StoreJob, start: int, count: int) -> None:
+        rt, cp, ring = self.rt, self.copier, self.ring.buffer
+        a, b = job.next_item, job.next_item + count
+        rt.wait_current(self._d2d)
+        for g, i0, i1 in _group_runs(job.groups, a, b):
+            ids = job.gpu[i0:i1]
+            s = start + (i0 - a)
+            rt.launch(self._d2d, lambda g=g, ids=ids, s=s: cp.gather(ring, s, g, ids))
+        read_done = rt.record(self._d2d)
+        rt.wait_event(self._drain, read_done)
+        ev0 = rt.record(self._drain)
+        hids = job.host[a:b]
+        rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
+        ev1 = rt.record(self._drain)
+        p = _Piece(job, a, count, (start, count), read_done, ev0, ev1)
+        job.pieces.append(p)
+        job.next_item = b
+        self._ring_pieces.append(p)
+        for h in hids.tolist():
+            self._host_pending[h] = ev1
+        self.stats.d2d_blocks += count
+        self.stats.d2d_bytes += count * self.slot_bytes
+        self.stats.ring_used_slots = self.ring.alloc.used
+        self.stats.ring_peak_slots = max(self.stats.ring_peak_slots, self.ring.alloc.used)
+
+    def _issue_bypass(self, job: _StoreJob) -> None:
+        rt, cp = self.rt, self.copier
+        a, b = job.next_item, job.n
+        if a >= b:
+            return
+        rt.wait_current(self._d2d)
+        ev0 = rt.record(self._d2d)
+        for g, i0, i1 in _group_runs(job.groups, a, b):
+            gids, hids = job.gpu[i0:i1], job.host[i0:i1]
+            rt.launch(self._d2d, lambda g=g, gids=gids, hids=hids:
+                      cp.to_host(self.host, g, gids, hids))
+        ev1 = rt.record(self._d2d)
+        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1))
+        for h in job.host[a:b].tolist():
+            self._host_pending[h] = ev1
+        job.next_item = b
+        self.stats.bypass_blocks += b - a
+        self.stats.bypass_bytes += int(sum(self.group_bytes[g] for g in job.groups[a:b]))
+
+    def _pump(self) -> None:
+        rt = self.rt
+        while self._ring_pieces and rt.query(self._ring_pieces[0].end):
+            p = self._ring_pieces.popleft()
+            assert p.ring_run is not None
+            self.ring.alloc.release_oldest(*p.ring_run)
+        while self._queue:
+            job = self._queue[0]
+            while job.next_item < job.n:
+                run = self.ring.alloc.alloc(job.n - job.next_item)
+                if run is None:
+                    break
+                self._issue_ring_piece(job, *run)
+            if job.next_item < job.n:
+                if not job.deferred_counted:
+                    job.deferred_counted = True
+                    self.stats.deferred_blocks += job.n - job.next_item
+                break
+            self._queue.popleft()
+        self.stats.ring_used_slots = self.ring.alloc.used
+
+    # ------------------------------------------------------------ loads
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        rt, cp = self.rt, self.copier
+        groups, gpu, host = _flatten(dst_spec, src_spec)
+        waits = {id(ev): ev for h in host.tolist()
+                 if (ev := self._host_pending.get(h)) is not None}
+        rt.wait_current(self._load)
+        for ev in waits.values():
+            rt.wait_event(self._load, ev)
+        self.stats.loads_ordered_after_drain += bool(waits)
+        ev0 = rt.record(self._load)
+        for g, i0, i1 in _group_runs(groups, 0, len(gpu)):
+            hids, gids = host[i0:i1], gpu[i0:i1]
+            rt.launch(self._load, lambda g=g, hids=hids, gids=gids:
+                      cp.to_gpu(self.host, g, hids, gids))
+        ev1 = rt.record(self._load)
+        nbytes = int(sum(self.group_bytes[g] for g in groups))
+        self._loads[job_id] = _LoadJob(job_id, nbytes, len(gpu), ev0, ev1)
+        self.stats.load_jobs += 1
+        return True
+
+    # ------------------------------------------------------------ completion
+    def get_finished(self) -> list[TransferResult]:
+        self._pump()
+        rt = self.rt
+        out: list[TransferResult] = []
+        for jid, job in list(self._stores.items()):
+            if job.next_item < job.n or not all(rt.query(p.end) for p in job.pieces):
+                continue
+            secs = 0.0
+            for p in job.pieces:
+                dt = rt.elapsed(p.start, p.end)
+                secs += dt
+                if p.ring_run is None:
+                    self.stats.bypass_seconds += dt
+                else:
+                    self.stats.drained_blocks += p.count
+                    self.stats.drained_bytes += int(
+                        sum(self.group_bytes[g] for g in job.groups[p.first:p.first + p.count]))
+                    self.stats.drain_seconds += dt
+                for h in job.host[p.first:p.first + p.count].tolist():
+                    if self._host_pending.get(h) is p.end:
+                        del self._host_pending[h]
+            del self._stores[jid]
+            out.append(TransferResult(job_id=jid, success=True,
+                                      transfer_size=job.nbytes, transfer_time=secs))
+        for jid, ld in list(self._loads.items()):
+            if rt.query(ld.end):
+                dt = rt.elapsed(ld.start, ld.end)
+                self.stats.loaded_blocks += ld.n
+                self.stats.loaded_bytes += ld.nbytes
+                self.stats.load_seconds += dt
+                del self._loads[jid]
+                out.append(TransferResult(job_id=jid, success=True,
+                                          transfer_size=ld.nbytes, transfer_time=dt))
+        self._pump()
+        if self._log_interval and time.monotonic() - self._last_log > self._log_interval:
+            self._last_log = time.monotonic()
+            logger.info("Ion KV tier worker: %s", self.stats.as_dict())
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Return once the GPU source blocks of these jobs may be reused (stores)
+        or the loaded blocks are in place (loads)."""
+        for jid in job_ids:
+            ld = self._loads.get(jid)
+            if ld is not None:
+                self.rt.sync(ld.end)
+                continue
+            job = self._stores.get(jid)
+            if job is None:
+                continue
+            if job.next_item < job.n:
+                try:
+                    self._queue.remove(job)
+                except ValueError:
+                    pass
+                self._issue_bypass(job)
+            for p in job.pieces:
+                self.rt.sync(p.read_done)
+        self._pump()
+
+    def shutdown(self) -> None:
+        for job in list(self._stores.values()):
+            for p in job.pieces:
+                self.rt.sync(p.end)
+        for ld in self._loads.values():
+            self.rt.sync(ld.end)
+        self._queue.clear()
+        self._ring_pieces.clear()
+
+    # ------------------------------------------------------------ checking
+    def check_invariants(self) -> None:
+        a = self.ring.alloc
+        a.check()
+        assert a.used * self.slot_bytes <= self.ring.nbytes, "staging ring overflow"
+        assert sum(p.count for p in self._ring_pieces) == a.used, "ring slot leak"

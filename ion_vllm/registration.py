@@ -1,0 +1,93 @@
+"""Make ``--attention-backend ION`` mean "the ION backend" in every vLLM process.
+
+vLLM 0.26 parses ``--attention-backend X`` with ``AttentionBackendEnum[X.upper()]``.  The
+resulting enum member travels to the engine-core and GPU-worker processes inside the pickled
+``VllmConfig``; an Enum member pickles *by value* and is unpickled before those processes
+load their plugins.  A brand-new member added at runtime would therefore not exist yet on the
+unpickling side, so ION does not add one.  Instead:
+
+* the name ``ION`` is added as an *alias* of the built-in placeholder member
+  ``AttentionBackendEnum.CUSTOM`` (an extra key in the Enum's ``_member_map_``; iteration over
+  the enum is unchanged), so ``AttentionBackendEnum["ION"] is AttentionBackendEnum.CUSTOM``;
+* ``CUSTOM`` is pointed at ``ion_vllm.backend.IonAttentionBackend`` with vLLM's own
+  ``register_backend``.
+
+``CUSTOM`` pickles as its value (``None``) and unpickles to ``CUSTOM`` in any process; the
+``vllm.general_plugins`` entry point (``ion = ion_vllm:register``) runs :func:`register` in
+each process before an attention backend is resolved, so ``--attention-backend CUSTOM`` works
+as well.
+
+:func:`register` is cheap: it imports only vLLM's registry module (no CUDA initialisation,
+no cutlass / CuTe import) and is idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+ION_BACKEND_NAME = "ION"
+ION_BACKEND_QUALNAME = "ion_vllm.backend.IonAttentionBackend"
+_KV_TIER_MODULE = "ion_vllm.kv_tier"
+
+_kv_tier_registered = False
+
+
+def install_enum_alias() -> None:
+    """Add ``ION`` as a name of ``AttentionBackendEnum.CUSTOM`` (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    member_map = AttentionBackendEnum._member_map_
+    current = member_map.get(ION_BACKEND_NAME)
+    if current is AttentionBackendEnum.CUSTOM:
+        return
+    if current is not None:
+        raise RuntimeError(
+            f"AttentionBackendEnum already has a member named {ION_BACKEND_NAME!r} "
+            f"({current!r}); refusing to alias it to CUSTOM")
+    member_map[ION_BACKEND_NAME] = AttentionBackendEnum.CUSTOM
+
+
+def register_backend_override() -> None:
+    """Point ``AttentionBackendEnum.CUSTOM`` at the ION backend class (idempotent)."""
+    from vllm.v1.attention.backends.registry import (
+        _ATTN_OVERRIDES,
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    previous = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
+    if previous is not None and previous != ION_BACKEND_QUALNAME:
+        logger.warning("AttentionBackendEnum.CUSTOM was registered to %s; "
+                       "re-registering it to %s", previous, ION_BACKEND_QUALNAME)
+    register_backend(AttentionBackendEnum.CUSTOM, ION_BACKEND_QUALNAME)
+
+
+def _register_kv_tier() -> None:
+    """Call ``ion_vllm.kv_tier.register_kv_tier()`` once per process, if that module exists."""
+    global _kv_tier_registered
+    if _kv_tier_registered:
+        return
+    if importlib.util.find_spec(_KV_TIER_MODULE) is None:
+        return
+    module = importlib.import_module(_KV_TIER_MODULE)
+    module.register_kv_tier()
+    _kv_tier_registered = True
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make ``ION`` (and ``CUSTOM``) resolve to ION."""
+    install_enum_alias()
+    register_backend_override()
+    _register_kv_tier()
+
+
+def is_registered() -> bool:
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    return (AttentionBackendEnum._member_map_.get(ION_BACKEND_NAME)
+            is AttentionBackendEnum.CUSTOM
+            and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == ION_BACKEND_QUALNAME)

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Randomized GPU correctness sweep of cute_kernels.kv_append + ion_attention.
+
+Usage (on a Hopper GPU):
+    python scripts/gpu_sweep.py [--cases 240] [--seed 0] [--out DIR]
+
+Each case is a fresh random batch mixing decode rows (q_len 1) with prefill
+chunks (q_len up to 2048, fresh or with context), KV lengths 1..32768 including
+exact page boundaries (multiples of 64 and +-1), requests with 0 new tokens
+(with and without context), padding rows after the last request, GQA ratios
+1/4/7/8 with 1..4 KV heads, head dims 64/128, bf16 (and every 5th case fp16),
+int64 or int32 slot mappings.  Total KV tokens per case <= --max-kv-tokens.
+
+Per case:
+  1. random paged caches (shuffled pages + garbage spare pages), random new K/V;
+  2. ``cute_kernels.kv_append`` writes the new K/V at ``slot_mapping``;
+     ``reference_kv_append`` does the same on a copy -> caches must be equal;
+  3. ``out`` is filled with NaN, ``cute_kernels.ion_attention`` runs;
+  4. compared with ``reference_paged_attention`` (fp32) on the reference cache.
+Pass bar: relative error (||out-ref||/||ref|| over written rows) <= --tol
+(1e-2), no NaN in written rows, every row that must not be written (padding rows,
+requests with no work) still NaN, caches bit-equal to the reference append.
+
+Writes ``cases.jsonl`` (one line per case) and ``summary.json`` into --out
+(default bench/results/sweep-<date>) and prints a table; exit code 1 if any
+case fails.  ``--fault spare_pages`` deliberately hands the kernel a block table
+in which the request with the most new tokens points at garbage pages: every
+case must then fail (a check that the sweep can fail).  ``--list`` prints the cases (CPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+PAGE = 64
+MAX_KV = 32768
+MAX_CHUNK = 2048
+GQA_RATIOS = (1, 4, 7, 8)
+HEAD_DIMS = (64, 128)
+DEFAULT_CASES = 240
+DEFAULT_MAX_KV_TOKENS = 65536
+DEFAULT_TOL = 1e-2
+
+
+@dataclasses.dataclass
+class SweepCase:
+    index: int
+    seed: int
+    q_lens: List[int]
+    seq_lens: List[int]
+    hq: int
+    hkv: int
+    d: int
+    dtype: str  # "bfloat16" | "float16"
+    pad_rows: int
+    slot_dtype: str  # "int64" | "int32"
+    tags: List[str]
+
+    @property
+    def g(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def total_kv(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens) + self.pad_rows
+
+    def to_json(self) -> Dict:
+        d = dataclasses.asdict(self)
+        d["g"] = self.g
+        d["total_kv"] = self.total_kv
+        d["total_q"] = self.total_q
+        return d
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    if hi <= lo:
+        return lo
+    return min(hi, max(lo, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))))
+
+
+def _boundary_len(rng: random.Random, lo: int, hi: int) -> Optional[int]:
+    """A length 64*k + {-1, 0, +1} inside [lo, hi] (None if impossible)."""
+    for _ in range(20):
+        k = _log_uniform(rng, 1, max(1, hi // PAGE))
+        n = PAGE * k + rng.choice((-1, 0, 0, 1))
+        if lo <= n <= hi:
+            return n
+    return None
+
+
+def _kv_len(rng: random.Random, lo: int, hi: int) -> int:
+    hi = max(lo, hi)
+    if rng.random() < 0.4:
+        n = _boundary_len(rng, lo, hi)
+        if n is not None:
+            return n
+    return _log_uniform(rng, lo, hi)
+
+
+def _decode_row(rng: random.Random, budget: int):
+    return 1, _kv_len(rng, 1, min(MAX_KV, budget))
+
+
+def _prefill_row(rng: random.Random, budget: int):
+    cap = min(MAX_CHUNK, budget, MAX_KV)
+    if cap < 2:
+        return None
+    r = rng.random()
+    if r < 0.3:
+        q = _boundary_len(rng, 2, cap) or _log_uniform(rng, 2, cap)
+    else:
+        q = _log_uniform(rng, 2, cap)
+    room = min(MAX_KV, budget) - q
+    r = rng.random()
+    if r < 0.25 or room <= 0:
+        ctx = 0  # fresh prompt
+    elif r < 0.5 and room >= PAGE:
+        ctx = PAGE * rng.randint(1, room // PAGE)  # chunk starts on a page boundary
+    else:
+        ctx = _kv_len(rng, 1, room)
+    return q, ctx + q
+
+
+def make_case(index: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+              pad_rows: bool = True) -> SweepCase:
+    """Case ``index`` of the sweep with base ``seed`` (deterministic)."""
+    case_seed = (seed * 1_000_003 + index * 7919 + 12345) % (2 ** 31)
+    rng = random.Random(case_seed)
+    g = GQA_RATIOS[index % len(GQA_RATIOS)]
+    d = HEAD_DIMS[(index // len(GQA_RATIOS)) % len(HEAD_DIMS)]
+    dtype = "float16" if index % 5 == 4 else "bfloat16"
+    hkv = rng.randint(1, 4)
+    budget = max_kv_tokens
+    reqs = []  # (q_len, seq_len, tag)
+
+    def take(row, tag):
+        nonlocal budget
+        if row is None:
+            return
+        q, L = row
+        if L > budget:
+            return
+        reqs.append((q, L, tag))
+        budget -= L
+
+    if rng.random() < 0.3:  # one long-context request (16k..32k)
+        L = _kv_len(rng, 16384, min(MAX_KV, budget // 2))
+        if rng.random() < 0.5:
+            take((1, L), "decode")
+        else:
+            q = _log_uniform(rng, 2, MAX_CHUNK)
+            take((q, L), "chunk")
+    take(_decode_row(rng, max(1, budget // 4)), "decode")
+    row = _prefill_row(rng, max(2, budget // 3))
+    take(row, "prefill" if row and row[0] == row[1] else "chunk")
+    n_more = rng.randint(0, 14)
+    for _ in range(n_more):
+        if budget < 2:
+            break
+        r = rng.random()
+        if r < 0.55:
+            take(_decode_row(rng, budget), "decode")
+        else:
+            row = _prefill_row(rng, budget)
+            take(row, "prefill" if row and row[0] == row[1] else "chunk")
+    if rng.random() < 0.5:
+        for _ in range(rng.randint(1, 2)):
+            L = _kv_len(rng, 1, min(MAX_KV, max(1, budget)))
+            if L <= budget:
+                reqs.append((0, L, "zero_new"))
+                budget -= L
+    if rng.random() < 0.3:
+        reqs.append((0, 0, "empty"))
+    rng.shuffle(reqs)
+    q_lens = [r[0] for r in reqs]
+    seq_lens = [r[1] for r in reqs]
+    tags = sorted({r[2] for r in reqs})
+    if any(L > 0 and (L % PAGE in (0, 1, PAGE - 1)) for L in seq_lens):
+        tags.append("page_boundary")
+    if any(L >= 16384 for L in seq_lens):
+        tags.append("long")
+    pad = rng.randint(1, 8) if (pad_rows and rng.random() < 0.33) else 0
+    if pad:
+        tags.append("pad_rows")
+    return SweepCase(index=index, seed=case_seed, q_lens=q_lens, seq_lens=seq_lens,
+                     hq=g * hkv, hkv=hkv, d=d, dtype=dtype, pad_rows=pad,
+                     slot_dtype="int32" if index % 3 == 2 else "int64", tags=tags)
+
+
+def make_cases(n: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+               pad_rows: bool = True) -> List[SweepCase]:
+    return [make_case(i, seed, max_kv_tokens, pad_rows) for i in range(n)]
+
+
+def judge(rel_err: float, nan_in_written: bool, poison_ok: bool, cache_ok: bool,
+          tol: float) -> bool:
+    """The pass bar of one case (NaN rel_err never passes)."""
+    return (rel_err <= tol) and (not nan_in_written) and poison_ok and cache_ok
+
+
+def fault_block_table(bt, seq_lens, q_lens, used_pages_mask):
+    """Copy of ``bt`` where every page of the request with the most new tokens
+    points at spare (garbage) pages that hold none of its KV."""
+    bad = bt.clone()
+    work = [b for b in range(len(seq_lens)) if seq_lens[b] > 0 and q_lens[b] > 0]
+    b = max(work, key=lambda i: (q_lens[i], seq_lens[i]))
+    spare = (~used_pages_mask).nonzero().flatten().tolist()
+    n = (seq_lens[b] + PAGE - 1) // PAGE
+    for j in range(n):
+        bad[b, j] = spare[j % len(spare)]
+    return bad
+
+
+def _worse(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """The larger error, NaN counting as the worst."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return max(a, b)
+
+
+def _sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_case(case: SweepCase, device, tol: float, fault: str = "none",
+             impl=None) -> Dict:
+    """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
+    ``kv_append`` and ``ion_attention`` (tests inject other implementations)."""
+    import torch
+    if impl is None:
+        import cute_kernels as impl
+    from cute_kernels.reference import (make_paged_case, new_token_slot_mapping,
+                                        reference_kv_append, reference_paged_attention,
+                                        relative_error, written_rows_mask)
+
+    dtype = getattr(torch, case.dtype)
+    res = {"index": case.index, "pass": False, "error": None}
+    t0 = time.perf_counter()
+    try:
+        q, kc, vc, qsl, sl, bt = make_paged_case(
+            case.seed, case.q_lens, case.seq_lens, case.hq, case.hkv, case.d, PAGE,
+            dtype, device, pad_rows=case.pad_rows, rng_device=device)
+        total_q = q.shape[0]
+        gen = torch.Generator(device=device)
+        gen.manual_seed(case.seed + 1)
+        key = torch.randn(total_q, case.hkv, case.d, generator=gen, device=device).to(dtype)
+        value = torch.randn(total_q, case.hkv, case.d, generator=gen, device=device).to(dtype)
+        slots = new_token_slot_mapping(qsl, sl, bt, PAGE, total_q)
+        slots = slots.to(getattr(torch, case.slot_dtype))
+        ref_k, ref_v = kc.clone(), vc.clone()
+        reference_kv_append(key, value, ref_k, ref_v, slots)
+
+        impl.kv_append(key, value, kc, vc, slots)
+        _sync(device)
+        cache_ok = bool(torch.equal(kc, ref_k) and torch.equal(vc, ref_v))
+
+        kernel_bt = bt
+        if fault == "spare_pages":
+            used = torch.zeros(kc.shape[0], dtype=torch.bool)
+            for b, L in enumerate(case.seq_lens):
+                used[bt[b, :(L + PAGE - 1) // PAGE].long().cpu()] = True
+            kernel_bt = fault_block_table(bt, case.seq_lens, case.q_lens, used)
+        scale = 1.0 / math.sqrt(case.d)
+        out = torch.full_like(q, float("nan"))
+        _sync(device)
+        t1 = time.perf_counter()
+        impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale)
+        _sync(device)
+        t_kernel = time.perf_counter() - t1
+
+        ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+        mask = written_rows_mask(qsl, sl, total_q).to(device)
+        written = out[mask]
+        nan_in_written = bool(torch.isnan(written).any())
+        poison_ok = bool(torch.isnan(out[~mask]).all()) if (~mask).any() else True
+        rel = relative_error(out, ref, mask)
+        diff = (written.float() - ref[mask]).abs()
+        finite = diff[torch.isfinite(diff)]
+        max_abs = float(finite.max()) if finite.numel() else (
+            0.0 if diff.numel() == 0 else float("nan"))
+        res.update(rel_err=rel, max_abs_err=max_abs, nan_in_written=nan_in_written,
+                   poison_ok=poison_ok, cache_ok=cache_ok, kernel_s=t_kernel)
+        res["pass"] = judge(rel, nan_in_written, poison_ok, cache_ok, tol)
+    except Exception as e:  # a crash is a failure of this case, keep sweeping
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc(limit=8)
+    res["time_s"] = time.perf_counter() - t0
+    return res
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.2e}"
+    return str(x)
+
+
+def _reduce_worse(xs):
+    out = None
+    for x in xs:
+        out = _worse(out, x)
+    return out
+
+
+def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
+    by_variant: Dict[str, Dict] = {}
+    for c, r in zip(cases, results):
+        key = f"{c.dtype}/D{c.d}/G{c.g}"
+        v = by_variant.setdefault(key, {"cases": 0, "passed": 0, "max_rel_err": None,
+                                         "errors": 0})
+        v["cases"] += 1
+        v["passed"] += int(r["pass"])
+        v["errors"] += int(r.get("error") is not None)
+        v["max_rel_err"] = _worse(v["max_rel_err"], r.get("rel_err"))
+    failed = [r["index"] for r in results if not r["pass"]]
+    rels = [r["rel_err"] for r in results if r.get("rel_err") is not None]
+    tag_counts: Dict[str, int] = {}
+    for c in cases:
+        for t in c.tags:
+            tag_counts[t] = tag_counts.get(t, 0) + 1
+    return {
+        "cases": len(results),
+        "passed": len(results) - len(failed),
+        "failed": len(failed),
+        "failed_indices": failed,
+        "tol": tol,
+        "max_rel_err": _reduce_worse(rels),
+        "mean_rel_err": (sum(rels) / len(rels)) if rels else None,
+        "by_variant": dict(sorted(by_variant.items())),
+        "tag_counts": tag_counts,
+        "verdict": "PASS" if not failed else "FAIL",
+    }
+
+
+def print_table(summary: Dict) -> None:
+    print(f"{'variant':<20}{'cases':>7}{'passed':>8}{'errors':>8}{'max_rel_err':>14}")
+    for k, v in summary["by_variant"].items():
+        print(f"{k:<20}{v['cases']:>7}{v['passed']:>8}{v['errors']:>8}"
+              f"{_fmt(v['max_rel_err']):>14}")
+    print(f"{'TOTAL':<20}{summary['cases']:>7}{summary['passed']:>8}"
+          f"{'':>8}{_fmt(summary['max_rel_err']):>14}")
+    print(f"verdict: {summary['verdict']} (tol {summary['tol']:g}; "
+          f"failed: {summary['failed_indices'][:20]})")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Randomized GPU sweep of cute_kernels.kv_append + ion_attention "
+                    "against the fp32 reference.")
+    ap.add_argument("--cases", type=int, default=DEFAULT_CASES, help="number of cases (240)")
+    ap.add_argument("--seed", type=int, default=0, help="base seed")
+    ap.add_argument("--out", default=None,
+                    help="output dir (default bench/results/sweep-<date>)")
+    ap.add_argument("--tol", type=float, default=DEFAULT_TOL, help="max relative error")
+    ap.add_argument("--max-kv-tokens", type=int, default=DEFAULT_MAX_KV_TOKENS,
+                    help="bound on the total KV tokens of one case")
+    ap.add_argument("--no-pad-rows", action="store_true",
+                    help="never add padding rows after the last request")
+    ap.add_argument("--fault", choices=("none", "spare_pages"), default="none",
+                    help="inject a fault on the kernel side (every case must fail)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
+    ap.add_argument("--quiet", action="store_true", help="no per-case lines")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = make_cases(args.cases, args.seed, args.max_kv_tokens, not args.no_pad_rows)
+    if args.list:
+        for c in cases:
+            print(json.dumps(c.to_json()))
+        return 0
+
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_sweep: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    out_dir = args.out or os.path.join(
+        ROOT, "bench", "results", "sweep-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    t_start = time.perf_counter()
+    with open(os.path.join(out_dir, "cases.jsonl"), "w") as f:
+        for c in cases:
+            r = run_case(c, device, args.tol, args.fault)
+            rec = {**c.to_json(), **r}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            results.append(r)
+            if not args.quiet:
+                status = "ok  " if r["pass"] else "FAIL"
+                print(f"[{c.index:4d}] {status} {c.dtype[:4]} D{c.d} G{c.g} Hkv{c.hkv} "
+                      f"B{len(c.q_lens)} q{c.total_q} kv{c.total_kv} "
+                      f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
+    summary = summarize(cases, results, args.tol)
+    summary.update(seed=args.seed, fault=args.fault, max_kv_tokens=args.max_kv_tokens,
+                   wall_s=time.perf_counter() - t_start, out_dir=out_dir,
+                   device_name=torch.cuda.get_device_name(device),
+                   torch=torch.__version__)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print_table(summary)
+    return 0 if summary["verdict"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

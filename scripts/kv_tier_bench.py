@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""GPU benchmark of the Ion KV tier on a multi-turn, shared-prefix workload
+whose reuse set is several times the HBM KV pool.
+
+Configs (each in a fresh process): `none` (no offload), `native` (vLLM
+OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored
+too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier).
+
+Workload: C conversations, each with its own long context; T turns; turn t of
+every conversation is prompt = context + all previous turns (user tokens +
+generated tokens) + new user tokens.  Turns are submitted in waves of W
+conversations, so by the time a conversation comes back its KV has been pushed
+out of HBM by the others.
+
+    python scripts/kv_tier_bench.py MODEL [--attention-backend ION] \
+        [--kv-cache-memory-bytes N] [--host-gib 8] [--out bench/results/kv-tier-<date>]
+
+Reports TTFT p50/p99, output tok/s, total tok/s, host hit rate (tokens loaded
+from the host tier / tokens looked up beyond the GPU prefix cache), measured
+D2H and H2D GB/s (vLLM's kv_offload_{store,load}_{bytes,time}); writes
+results.json and results.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def metric_sums(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)):
+            out[m.name] = out.get(m.name, 0.0) + float(v)
+    return out
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def child(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=cfg["model"], seed=0, kv_cache_memory_bytes=cfg["kv_bytes"],
+              block_size=cfg["block_size"], max_model_len=cfg["max_model_len"],
+              max_num_seqs=cfg["max_num_seqs"], disable_log_stats=False,
+              enable_prefix_caching=True, enforce_eager=cfg["enforce_eager"])
+    if cfg["backend"]:
+        kw["attention_backend"] = cfg["backend"]
+    host_bytes = int(cfg["host_gib"] * (1 << 30))
+    if cfg["name"] == "native":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes,
+                                          "offload_prompt_only": False}}
+    elif cfg["name"] == "ion":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
+                "cpu_bytes_to_use": host_bytes, "ring_mib": cfg["ring_mib"]}}
+    llm = LLM(**kw)
+    rng = random.Random(cfg["seed"])
+    vocab = cfg["vocab"]
+    tok = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    convs = [tok(cfg["context_len"]) for _ in range(cfg["conversations"])]
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
+    # warm-up (not measured): compile/capture on an unrelated prompt
+    llm.generate([TokensPrompt(prompt_token_ids=tok(64))], sp, use_tqdm=False)
+    m0 = metric_sums(llm)
+    ttft: list[float] = []
+    n_in = n_out = 0
+    t0 = time.perf_counter()
+    W = cfg["wave"]
+    for _turn in range(cfg["turns"]):
+        for w in range(0, len(convs), W):
+            idx = list(range(w, min(w + W, len(convs))))
+            for i in idx:
+                convs[i] = convs[i] + tok(cfg["user_len"])
+            res = llm.generate([TokensPrompt(prompt_token_ids=convs[i]) for i in idx], sp,
+                               use_tqdm=False)
+            for i, r in zip(idx, res):
+                out = list(r.outputs[0].token_ids)
+                convs[i] = convs[i] + out
+                n_in += len(r.prompt_token_ids)
+                n_out += len(out)
+                if r.metrics is not None and r.metrics.first_token_latency:
+                    ttft.append(r.metrics.first_token_latency)
+    wall = time.perf_counter() - t0
+    m1 = metric_sums(llm)
+    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+
+    def gbps(b: str, t: str) -> float | None:
+        return d[b] / d[t] / 1e9 if d.get(t) else None
+
+    q = d.get("vllm:external_prefix_cache_queries", 0.0)
+    return {
+        "config": cfg["name"], "requests": len(ttft), "wall_s": wall,
+        "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        "output_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
+        "prompt_tokens": n_in, "output_tokens": n_out,
+        "gpu_prefix_hit_rate": (d.get("vllm:prefix_cache_hits", 0.0)
+                                / max(1.0, d.get("vllm:prefix_cache_queries", 0.0))),
+        "host_hit_rate": (d.get("vllm:external_prefix_cache_hits", 0.0) / q) if q else None,
+        "d2h_gbps": gbps("vllm:kv_offload_store_bytes", "vllm:kv_offload_store_time"),
+        "h2d_gbps": gbps("vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"),
+        "preemptions": d.get("vllm:num_preemptions", 0.0),
+        "tier_metrics": {k: v for k, v in d.items()
+                         if ("kv_offload" in k or "ion_kv_tier" in k) and v},
+    }
+
+
+def run_child(cfg: dict) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cpath, opath = os.path.join(d, "cfg.json"), os.path.join(d, "out.json")
+        with open(cpath, "w") as f:
+            json.dump(cfg, f)
+        subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True)
+        with open(opath) as f:
+            return json.load(f)
+
+
+def fmt(v, nd=1):
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        with open(sys.argv[2]) as f:
+            cfg = json.load(f)
+        res = child(cfg)
+        with open(sys.argv[3], "w") as f:
+            json.dump(res, f)
+        return 0
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--attention-backend", default="ION")
+    ap.add_argument("--configs", default="none,native,ion")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
+                    help="when sizing the HBM pool: reuse set / HBM pool")
+    ap.add_argument("--host-gib", type=float, default=8.0)
+    ap.add_argument("--ring-mib", type=float, default=256)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--context-len", type=int, default=2048)
+    ap.add_argument("--user-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--wave", type=int, default=16)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(args.model)
+    n_kv = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    per_token = 2 * hf.num_hidden_layers * n_kv * head * 2
+    final_len = args.context_len + args.turns * (args.user_len + args.max_tokens)
+    reuse = per_token * final_len * args.conversations
+    kv_bytes = args.kv_cache_memory_bytes or int(reuse / args.reuse_over_hbm)
+    kv_bytes = max(kv_bytes, per_token * (final_len + args.block_size) * 2)
+    if args.host_gib * (1 << 30) < reuse:
+        print(f"note: host tier {args.host_gib} GiB < reuse set {reuse/2**30:.2f} GiB")
+    out = args.out or os.path.join("bench", "results",
+                                   f"kv-tier-{dt.date.today().isoformat()}")
+    os.makedirs(out, exist_ok=True)
+    base = dict(model=args.model, backend=args.attention_backend, kv_bytes=kv_bytes,
+                block_size=args.block_size, max_model_len=final_len + args.block_size,
+                max_num_seqs=args.wave, host_gib=args.host_gib, ring_mib=args.ring_mib,
+                conversations=args.conversations, context_len=args.context_len,
+                user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
+                wave=args.wave, vocab=hf.vocab_size, seed=0,
+                enforce_eager=args.enforce_eager)
+    results = []
+    for name in args.configs.split(","):
+        print(f"== {name}", flush=True)
+        results.append(run_child({**base, "name": name}))
+        print(json.dumps(results[-1], indent=1), flush=True)
+    meta = {"model": args.model, "attention_backend": args.attention_backend,
+            "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
+            "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
+            "args": vars(args)}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    cols = [("config", "config", 0), ("TTFT p50 ms", "ttft_p50_ms", 1),
+            ("TTFT p99 ms", "ttft_p99_ms", 1), ("out tok/s", "output_tok_s", 0),
+            ("total tok/s", "total_tok_s", 0), ("GPU prefix hit", "gpu_prefix_hit_rate", 3),
+            ("host hit", "host_hit_rate", 3), ("D2H GB/s", "d2h_gbps", 2),
+            ("H2D GB/s", "h2d_gbps", 2), ("preemptions", "preemptions", 0)]
+    lines = [f"# KV tier benchmark ({dt.date.today().isoformat()})", "",
+             f"model `{args.model}`, backend {args.attention_backend}, HBM KV pool "
+             f"{kv_bytes/2**20:.0f} MiB, reuse set {reuse/2**20:.0f} MiB "
+             f"({reuse/kv_bytes:.1f}x), host tier {args.host_gib} GiB; "
+             f"{args.conversations} conversations x {args.turns} turns, context "
+             f"{args.context_len}, +{args.user_len} user / {args.max_tokens} generated "
+             f"tokens per turn, waves of {args.wave}.", "",
+             "| " + " | ".join(c[0] for c in cols) + " |",
+             "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(
+            int(r[k]) if isinstance(r.get(k), float) else r.get(k)) for _, k, nd in cols) + " |")
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Write a small Qwen2 model with REAL (random, seeded) bf16 weights.
+
+Usage: python scripts/make_tiny_model.py OUT_DIR [--seed 0] [--layers 4]
+       [--hidden 2048] [--heads 16] [--kv-heads 2] [--intermediate 5632]
+
+Default shape: 4 layers, hidden 2048, 16 q heads, 2 KV heads (GQA 8),
+head_dim 128, intermediate 5632, vocab 152064, untied lm_head, rope_theta 1e6.
+Weights: every matrix and bias ~ N(0, 0.02^2), every RMSNorm weight = 1,
+generated on the CPU from a seeded ``torch.Generator`` in a fixed order (the
+output is bit-identical for a given seed and shape) and written as one
+``model.safetensors`` in bf16, with ``config.json``, ``generation_config.json``
+and the same offline tokenizer as ``make_demo_model.py``.  Used by the
+end-to-end agreement check (``scripts/e2e_agreement.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from make_demo_model import (  # noqa: E402
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    generation_config,
+    write_json,
+    write_tokenizer,
+)
+
+INIT_STD = 0.02
+
+
+def tiny_config(layers: int, hidden: int, heads: int, kv_heads: int,
+                intermediate: int, max_pos: int) -> dict:
+    if hidden % heads:
+        raise ValueError("hidden must be a multiple of heads")
+    if heads % kv_heads:
+        raise ValueError("heads must be a multiple of kv_heads")
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "attention_dropout": 0.0,
+        "bos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": INIT_STD,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_pos,
+        "max_window_layers": layers,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
+def weight_shapes(cfg: dict):
+    """(name, shape, kind) in the fixed generation order; kind is 'normal' or 'ones'."""
+    h = cfg["hidden_size"]
+    d = cfg["head_dim"]
+    nq = cfg["num_attention_heads"] * d
+    nkv = cfg["num_key_value_heads"] * d
+    inter = cfg["intermediate_size"]
+    v = cfg["vocab_size"]
+    out = [("model.embed_tokens.weight", (v, h), "normal")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (h,), "ones"),
+            (p + "self_attn.q_proj.weight", (nq, h), "normal"),
+            (p + "self_attn.q_proj.bias", (nq,), "normal"),
+            (p + "self_attn.k_proj.weight", (nkv, h), "normal"),
+            (p + "self_attn.k_proj.bias", (nkv,), "normal"),
+            (p + "self_attn.v_proj.weight", (nkv, h), "normal"),
+            (p + "self_attn.v_proj.bias", (nkv,), "normal"),
+            (p + "self_attn.o_proj.weight", (h, nq), "normal"),
+            (p + "post_attention_layernorm.weight", (h,), "ones"),
+            (p + "mlp.gate_proj.weight", (inter, h), "normal"),
+            (p + "mlp.up_proj.weight", (inter, h), "normal"),
+            (p + "mlp.down_proj.weight", (h, inter), "normal"),
+        ]
+    out += [("model.norm.weight", (h,), "ones"), ("lm_head.weight", (v, h), "normal")]
+    return out
+
+
+def make_weights(cfg: dict, seed: int):
+    import torch
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    tensors = {}
+    for name, shape, kind in weight_shapes(cfg):
+        if kind == "ones":
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = torch.empty(shape, dtype=torch.float32)
+            t.normal_(0.0, INIT_STD, generator=gen)
+            tensors[name] = t.to(torch.bfloat16)
+    return tensors
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--max-position-embeddings", type=int, default=32768)
+    args = ap.parse_args(argv)
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    cfg = tiny_config(args.layers, args.hidden, args.heads, args.kv_heads,
+                      args.intermediate, args.max_position_embeddings)
+    os.makedirs(args.out_dir, exist_ok=True)
+    tensors = make_weights(cfg, args.seed)
+    n_params = sum(t.numel() for t in tensors.values())
+    save_file(tensors, os.path.join(args.out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    write_json(os.path.join(args.out_dir, "config.json"), cfg)
+    write_json(os.path.join(args.out_dir, "generation_config.json"), generation_config())
+    write_tokenizer(args.out_dir, 0, args.max_position_embeddings)
+    print(f"wrote tiny Qwen2 ({n_params / 1e6:.1f}M params, seed {args.seed}) to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

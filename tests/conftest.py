@@ -1,0 +1,27 @@
+"""Test-wide setup: `gpu` tests run only where an sm_90 (Hopper) GPU is present."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _hopper_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(0) == (9, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _hopper_available():
+        return
+    skip = pytest.mark.skip(reason="needs an sm_90 (Hopper) GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

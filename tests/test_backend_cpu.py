@@ -1,0 +1,337 @@
+"""CPU tests of the ION backend glue: KV layout as vLLM allocates it, block-size choice
+through vLLM's own logic, the metadata builder's plan buffers, and the impl's plumbing
+(cache write + attention call + test-only fault) checked against the PyTorch reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ion_vllm.backend import (  # noqa: E402
+    FAULT_INJECT_ENV,
+    IonAttentionBackend,
+    IonAttentionImpl,
+    IonAttentionMetadataBuilder,
+    fault_block_table,
+)
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "tie_word_embeddings": False,
+}
+HQ, HKV, D, P = 4, 2, 64, 64
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("vllm") and module is not None
+                and "current_platform" in getattr(module, "__dict__", {})):
+            monkeypatch.setattr(module, "current_platform", platform)
+    return platform
+
+
+@pytest.fixture
+def make_config(cpu_platform, tmp_path):
+    model = tmp_path / "tiny-qwen2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+
+    def make(*extra):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", str(model), "--attention-backend", "ION",
+                                  "--skip-tokenizer-init", "--load-format", "dummy",
+                                  *extra])
+        return EngineArgs.from_cli_args(args).create_engine_config()
+
+    return make
+
+
+def kv_spec(block_size=P):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=HKV, head_size=D,
+                             dtype=torch.bfloat16)
+
+
+def common_metadata(q_lens, seq_lens, block_table, pad_tokens=0, seq_lens_device=None):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from cute_kernels.reference import new_token_slot_mapping
+
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    n = int(qsl[-1]) + pad_tokens
+    slots = new_token_slot_mapping(qsl, sl, block_table, P, total_q=n)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl,
+        seq_lens=sl.clone() if seq_lens_device is None else seq_lens_device,
+        num_reqs=len(q_lens), num_actual_tokens=n, max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table,
+        slot_mapping=slots, seq_lens_cpu_upper_bound=sl, _seq_lens_cpu=sl)
+
+
+def coverage_from_work(work, q_lens, seq_lens):
+    """(b, h, token) -> pages read, from a contract work list; the split items of a token
+    must tile its page range exactly once, in order."""
+    pieces = {}
+    for b, h, t0, nt, p0, p1, split, nsplit in work.tolist():
+        assert 0 <= split < nsplit and p0 < p1
+        for t in range(t0, t0 + nt):
+            pieces.setdefault((b, h, t), []).append((split, nsplit, p0, p1))
+    cov = {}
+    for key, parts in pieces.items():
+        parts.sort()
+        assert [s for s, _, _, _ in parts] == list(range(parts[0][1])), f"{key}: {parts}"
+        for (_, _, _, a1), (_, _, b0, _) in zip(parts, parts[1:]):
+            assert a1 == b0, f"{key}: split ranges not contiguous {parts}"
+        cov[key] = (parts[0][2], parts[-1][3])
+    expected = {}
+    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for h in range(HKV):
+            for t in range(ql):
+                expected[(b, h, t)] = sl - ql + t  # last KV position it attends to
+    assert set(cov) == set(expected)
+    for key, last_pos in expected.items():
+        p0, p1 = cov[key]
+        assert p0 == 0 and p1 * P > last_pos, (key, p0, p1, last_pos)
+    return cov
+
+
+# ----------------------------------------------------------------------------- backend
+def test_backend_identity_and_flags():
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert IonAttentionBackend.get_name() == "ION"
+    # vLLM's Attention layer does AttentionBackendEnum[backend.get_name()]
+    assert AttentionBackendEnum[IonAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert IonAttentionBackend.forward_includes_kv_cache_update is True
+    assert IonAttentionBackend.get_impl_cls() is IonAttentionImpl
+    assert IonAttentionBackend.get_builder_cls() is IonAttentionMetadataBuilder
+    assert IonAttentionMetadataBuilder._cudagraph_support is AttentionCGSupport.ALWAYS
+    assert not IonAttentionBackend.is_mla() and not IonAttentionBackend.supports_sink()
+
+
+def test_kv_cache_layout_as_vllm_allocates_it():
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    nb = 10
+    shape = IonAttentionBackend.get_kv_cache_shape(nb, P, HKV, D)
+    assert shape == (nb, 2, HKV, P, D)
+    assert IonAttentionBackend.get_kv_cache_block_dim(P, HKV, D) == 0
+    order = IonAttentionBackend.get_kv_cache_stride_order()
+    assert order == (0, 1, 2, 3, 4)
+    assert not IonAttentionBackend.indexes_kv_by_block_stride()
+    with pytest.raises(ValueError):
+        IonAttentionBackend.get_kv_cache_shape(nb, 16, HKV, D)
+
+    spec = kv_spec()
+    raw = torch.zeros(nb * spec.page_size_bytes, dtype=torch.int8)
+    cache = _reshape_attention_kv_cache(raw, spec, shape, order, nb, None)
+    assert cache.shape == (nb, 2, HKV, P, D) and cache.is_contiguous()
+    k, v = cache[:, 0], cache[:, 1]
+    # one page of one KV head is one contiguous [P, D] box (one TMA box)
+    assert k.stride() == (2 * HKV * P * D, P * D, D, 1)
+    assert v.data_ptr() - k.data_ptr() == HKV * P * D * 2
+
+
+def test_block_size_choice_goes_through_vllm(make_config, monkeypatch):
+    from vllm.platforms.interface import Platform
+    from vllm.v1.worker.utils import select_common_block_size
+
+    monkeypatch.setattr(Platform, "_find_non_ssm_backend",
+                        classmethod(lambda cls, cfg: IonAttentionBackend))
+    cfg = make_config()
+    assert not cfg.cache_config.user_specified_block_size
+    Platform.update_block_size_for_backend(cfg)
+    assert cfg.cache_config.block_size == 64
+
+    cfg = make_config("--block-size", "128")
+    Platform.update_block_size_for_backend(cfg)
+    assert cfg.cache_config.block_size == 128
+    # vLLM splits a 128-token KV block into 64-token kernel pages for ION
+    assert select_common_block_size(128, [IonAttentionBackend]) == 64
+    assert select_common_block_size(64, [IonAttentionBackend]) == 64
+    assert IonAttentionBackend.supports_block_size(128)
+    assert not IonAttentionBackend.supports_block_size(32)
+
+
+# ----------------------------------------------------------------------------- builder
+def test_builder_plans_once_into_persistent_buffers(make_config):
+    from cute_kernels import planner
+
+    cfg = make_config("--max-num-seqs", "8", "--max-num-batched-tokens", "512")
+    builder = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert builder.group_size == 2 and builder.num_kv_heads == HKV
+    assert builder.item_capacity == planner.worst_case_items(
+        8, 512, cfg.model_config.max_model_len, HKV, 2, page_size=P,
+        max_splits=builder.max_splits)
+    work_ptr, cta_ptr = builder.plan.work.data_ptr(), builder.plan.cta_offsets.data_ptr()
+    comb_ptr, po_ptr = builder.plan.combine.data_ptr(), builder.plan.partial_o.data_ptr()
+
+    # mixed batch: long prefill, chunk continuation, decodes, a padded empty request
+    q_lens, seq_lens = [100, 40, 1, 1, 0], [100, 300, 129, 64, 0]
+    bt = torch.arange(5 * 8, dtype=torch.int32).reshape(5, 8)
+    md = builder.build(0, common_metadata(q_lens, seq_lens, bt, pad_tokens=6))
+    plan = md.plan
+    assert plan.work.data_ptr() == work_ptr and plan.cta_offsets.data_ptr() == cta_ptr
+    assert plan.combine.data_ptr() == comb_ptr and plan.partial_o.data_ptr() == po_ptr
+    assert plan.always_combine  # graph-safe: the combine launch is always captured
+    assert plan.host.partial_rows <= builder.partial_rows
+    assert plan.num_ctas == builder.num_ctas and plan.cta_offsets.shape == (plan.num_ctas + 1,)
+    assert int(plan.cta_offsets[-1]) == plan.num_items == plan.host.n_items
+    assert torch.all(plan.cta_offsets[1:] >= plan.cta_offsets[:-1])
+    work = plan.work[: plan.num_items]
+    np.testing.assert_array_equal(work.numpy(), plan.host.work)
+    coverage_from_work(work, q_lens, seq_lens)
+    first_items = plan.num_items
+    assert md.num_actual_tokens == 148 and md.slot_mapping.shape == (148,)
+    assert md.block_table is bt
+
+    # next step, smaller batch: same buffers, stale rows cleared
+    q_lens2, seq_lens2 = [1, 1], [101, 301]
+    md2 = builder.build(0, common_metadata(q_lens2, seq_lens2, bt[:2]))
+    assert md2.plan.work.data_ptr() == work_ptr
+    assert md2.plan.num_items < first_items
+    coverage_from_work(md2.plan.work[: md2.plan.num_items], q_lens2, seq_lens2)
+    assert not md2.plan.work[md2.plan.num_items:].any()
+    assert not md2.plan.combine[md2.plan.num_groups:].any()
+    assert torch.all(md2.plan.partial_offsets[md2.plan.num_items:] == -1)
+    assert int(md2.plan.cta_offsets[-1]) == md2.plan.num_items
+
+
+def test_builder_plans_from_host_seq_lens(make_config):
+    """The plan must come from vLLM's host copies (no device sync), not the device tensor."""
+    cfg = make_config("--max-num-seqs", "4")
+    builder = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    bt = torch.arange(8, dtype=torch.int32).reshape(1, 8)
+    wrong_device_copy = torch.tensor([5], dtype=torch.int32)
+    md = builder.build(0, common_metadata([1], [200], bt, seq_lens_device=wrong_device_copy))
+    work = md.plan.work[: md.plan.num_items]
+    assert md.plan.num_items == HKV
+    assert set(work[:, 5].tolist()) == {4}  # ceil(200 / 64) pages, from the host copy
+
+
+# ----------------------------------------------------------------------------- impl
+def reference_kernels(calls):
+    """cute_kernels API backed by the PyTorch reference (CPU), recording the calls."""
+    from cute_kernels.reference import reference_kv_append, reference_paged_attention
+
+    def kv_append(key, value, k_cache, v_cache, slot_mapping):
+        calls.append(("kv_append", key.shape[0]))
+        reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
+
+    def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None):
+        calls.append(("ion_attention", q.shape[0], plan))
+        rows = int(qsl[-1])
+        ref = reference_paged_attention(q[:rows], k_cache, v_cache, qsl, seq_lens,
+                                        block_table, scale)
+        out[:rows] = ref.to(out.dtype)
+
+    return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
+
+
+def run_impl_case(make_config, monkeypatch, fault: bool):
+    from cute_kernels.reference import make_paged_case, reference_paged_attention
+
+    import ion_vllm.backend as backend_mod
+
+    if fault:
+        monkeypatch.setenv(FAULT_INJECT_ENV, "swap_kv_page")
+    else:
+        monkeypatch.delenv(FAULT_INJECT_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(backend_mod, "_cute_kernels", lambda: reference_kernels(calls))
+
+    q_lens, seq_lens, pad = [70, 1, 3], [150, 90, 3], 5
+    case = make_paged_case(7, q_lens, seq_lens, HQ, HKV, D, page=P, pad_rows=pad)
+    n = case.q.shape[0]
+    kv_cache = torch.stack([case.k_cache, case.v_cache], dim=1).contiguous()
+    truth = kv_cache.clone()
+    # new tokens' K/V: from the truth cache; overwrite those slots with garbage so the
+    # impl must write them itself
+    cm = common_metadata(q_lens, seq_lens, case.block_table, pad_tokens=pad)
+    slots = cm.slot_mapping
+    key = torch.randn(n, HKV, D).to(torch.bfloat16)
+    value = torch.randn(n, HKV, D).to(torch.bfloat16)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            truth[s // P, 0, :, s % P] = key[i]
+            truth[s // P, 1, :, s % P] = value[i]
+            kv_cache[s // P, :, :, s % P] = 1e4
+
+    builder = IonAttentionMetadataBuilder(kv_spec(), [], make_config(), torch.device("cpu"))
+    md = builder.build(0, cm)
+    impl = IonAttentionImpl(HQ, D, 0.125, HKV)
+    # query as a strided view, like q out of a fused qkv projection
+    qkv = torch.cat([case.q.reshape(n, -1), torch.zeros(n, 2 * HKV * D,
+                                                        dtype=torch.bfloat16)], dim=1)
+    query = qkv[:, : HQ * D].view(n, HQ, D)
+    assert not query.is_contiguous()
+    output = torch.full((n, HQ, D), 7.0, dtype=torch.bfloat16)
+    impl.forward(None, query, key, value, kv_cache, md, output)
+
+    assert [c[0] for c in calls] == ["kv_append", "ion_attention"]
+    assert calls[1][2] is md.plan
+    torch.testing.assert_close(kv_cache, truth, rtol=0, atol=0)  # cache writes correct
+    rows = int(cm.query_start_loc_cpu[-1])
+    assert torch.all(output[rows:] == 7.0)  # padding rows untouched
+    ref = reference_paged_attention(case.q[:rows], truth[:, 0], truth[:, 1],
+                                    cm.query_start_loc, cm.seq_lens, case.block_table, 0.125)
+    return output[:rows].float(), ref, q_lens
+
+
+def test_impl_writes_cache_then_attends(make_config, monkeypatch):
+    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fault_injection_breaks_attention_of_request_0(make_config, monkeypatch):
+    out, ref, q_lens = run_impl_case(make_config, monkeypatch, fault=True)
+    err = (out - ref).abs().amax(dim=(1, 2))
+    assert err[: q_lens[0]].max() > 0.1  # request 0 (2+ pages) is wrong
+    assert err[q_lens[0]:].max() < 2e-2  # other requests are untouched
+
+
+def test_fault_block_table_and_env_checks(monkeypatch):
+    bt = torch.tensor([[5, 9, 2], [1, 3, 4]], dtype=torch.int32)
+    broken = fault_block_table(bt)
+    assert broken.tolist() == [[1, 9, 2], [1, 3, 4]]  # request 0 reads request 1's page
+    assert bt.tolist() == [[5, 9, 2], [1, 3, 4]]  # vLLM's table is not modified
+    assert fault_block_table(bt[:1]).tolist() == [[9, 5, 2]]
+    monkeypatch.setenv(FAULT_INJECT_ENV, "nonsense")
+    with pytest.raises(ValueError, match="swap_kv_page"):
+        IonAttentionImpl(HQ, D, 0.125, HKV)
+    monkeypatch.delenv(FAULT_INJECT_ENV)
+    assert not IonAttentionImpl(HQ, D, 0.125, HKV).fault_swap_kv_page
+
+
+def test_profiling_run_without_metadata_zeroes_output():
+    impl = IonAttentionImpl(HQ, D, 0.125, HKV)
+    out = torch.ones(3, HQ, D, dtype=torch.bfloat16)
+    q = torch.ones(3, HQ, D, dtype=torch.bfloat16)
+    kv = torch.ones(3, HKV, D, dtype=torch.bfloat16)
+    impl.forward(None, q, kv, kv, torch.empty(0), None, out)
+    assert not out.any()

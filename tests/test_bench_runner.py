@@ -1,0 +1,150 @@
+"""The kernel-suite driver's bookkeeping on CPU: CUDA timing calls are replaced by
+host-clock stand-ins and the backends by CPU attention over each layout, so the
+skip/error handling, the ION-vs-FA3 cross-check and the derived metrics are exercised."""
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ion_vllm.bench import kernel_runner as kr  # noqa: E402
+from ion_vllm.bench import kernel_suite as ks  # noqa: E402
+
+
+class _Event:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1000.0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(kr, "_CYCLES_PER_US", 1000.0)
+
+
+def _attend(case, q, kc, vc, bt, page, hnd):
+    """fp32 causal paged attention written independently of the reference."""
+    out = torch.empty_like(q)
+    g = case.hq // case.hkv
+    qsl = case.query_start_loc()
+    for b, (ql, kv) in enumerate(zip(case.q_lens, case.kv_lens)):
+        t = torch.arange(kv)
+        pg, off = bt[b, t // page].long(), t % page
+        k = kc[pg, :, off] if hnd else kc[pg, off]
+        v = vc[pg, :, off] if hnd else vc[pg, off]
+        k = k.float().repeat_interleave(g, 1)
+        v = v.float().repeat_interleave(g, 1)
+        qq = q[qsl[b]:qsl[b + 1]].float()
+        s = torch.einsum("ihd,lhd->hil", qq, k) * case.d ** -0.5
+        qpos = kv - ql + torch.arange(ql)
+        s = s.masked_fill(t[None, None] > qpos[None, :, None], float("-inf"))
+        out[qsl[b]:qsl[b + 1]] = torch.einsum("hil,lhd->ihd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def _fake_backends(monkeypatch, calls):
+    def ion(case, rot, device, shared):
+        calls.append(("ion", case.name, rot))
+        q, k, v, bt = kr.ion_cache(case, rot, device)
+        out = torch.empty_like(q)
+        return kr.Prepared(lambda: out.copy_(_attend(case, q, k, v, bt, case.ion_page, True)),
+                           out)
+
+    def fa3(case, rot, device, shared):
+        calls.append(("fa3", case.name, rot))
+        q, k, v, bt = kr.fa_cache(case, rot, device)
+        out = torch.empty_like(q)
+        return kr.Prepared(lambda: out.copy_(_attend(case, q, k, v, bt, case.fa_page, False)),
+                           out)
+
+    def fa4(case, rot, device, shared):
+        calls.append(("fa4", case.name, rot))
+        raise kr.BackendUnavailable("FA4 unsupported: test")
+
+    def triton(case, rot, device, shared):
+        calls.append(("triton", case.name, rot))
+        q, k, v, bt = kr.triton_cache(case, rot, device)
+        out = torch.zeros_like(q)     # wrong on purpose: a broken backend must show up
+
+        def call():
+            raise RuntimeError("kernel exploded")
+        return kr.Prepared(call, out)
+
+    monkeypatch.setitem(kr.PREPARE, "ion", ion)
+    monkeypatch.setitem(kr.PREPARE, "fa3", fa3)
+    monkeypatch.setitem(kr.PREPARE, "fa4", fa4)
+    monkeypatch.setitem(kr.PREPARE, "triton", triton)
+
+
+L2 = 128 * 1024  # tiny pretend L2 so that the tiny cases rotate over 3 copies
+CASES = [ks.Case("tiny-a", (1, 1, 4), (40, 90, 70), hq=4, hkv=2, d=64),
+         ks.Case("tiny-b", (1,), (130,), hq=8, hkv=2, d=64, fa_page=64)]
+
+
+def test_suite_driver_records(fake_cuda, monkeypatch):
+    calls = []
+    _fake_backends(monkeypatch, calls)
+    snapshots = []
+    lines = []
+    recs = kr.run_kernel_suite(CASES, ["ion", "fa3", "fa4", "triton"], iters=5, warmup=1,
+                               device="cpu", ceilings={"copy_gbps": 100.0, "gemm_tflops": 1.0},
+                               suite_label="t", log=lines.append, l2_bytes=L2,
+                               on_record=lambda rs: snapshots.append(len(rs)))
+    assert [(r["case"], r["backend"], r["status"]) for r in recs] == [
+        ("tiny-a", "ion", "ok"), ("tiny-a", "fa3", "ok"), ("tiny-a", "fa4", "skipped"),
+        ("tiny-a", "triton", "error"),
+        ("tiny-b", "ion", "ok"), ("tiny-b", "fa3", "ok"), ("tiny-b", "fa4", "skipped"),
+        ("tiny-b", "triton", "error")]
+    assert snapshots == list(range(1, 9))
+    # an unavailable backend is probed once, not once per case
+    assert [c for c in calls if c[0] == "fa4"] == [("fa4", "tiny-a", 0)]
+    # KV rotations: tiny cases need many copies to exceed 2x L2
+    n_rot = ks.rotations(CASES[0], L2)
+    assert n_rot == 3
+    assert [c[2] for c in calls if c[:2] == ("ion", "tiny-a")] == list(range(n_rot))
+    for r in recs:
+        assert r["suite"] == "kernel" and r["kernel_suite"] == "t"
+        assert r["bytes"] == ks.min_bytes(next(c for c in CASES if c.name == r["case"]))
+    ok = [r for r in recs if r["status"] == "ok"]
+    for r in ok:
+        assert r["iters"] == 5 and r["rotations"] >= 2
+        assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        sec = r["median_us"] * 1e-6
+        assert r["achieved_gbps"] == pytest.approx(r["bytes"] / sec / 1e9)
+        assert r["frac_copy_bw"] == pytest.approx(r["achieved_gbps"] / 100.0)
+        assert r["frac_gemm"] == pytest.approx(r["flops"] / sec / 1e12)
+    # ION ran before FA3: its cross-check is back-filled once FA3 finishes
+    for r in ok:
+        if r["backend"] == "ion":
+            assert r["rel_err_vs_fa3"] < 1e-2
+    assert "kernel exploded" in recs[3]["error"]
+    assert any("skipped" in line for line in lines)
+    assert any("rel_err vs fa3" in line for line in lines)
+
+
+def test_fa3_first_cross_checks_in_place(fake_cuda, monkeypatch):
+    _fake_backends(monkeypatch, [])
+    recs = kr.run_kernel_suite(CASES[:1], ["fa3", "ion"], iters=3, warmup=0, device="cpu",
+                               log=lambda s: None, l2_bytes=L2)
+    assert recs[1]["backend"] == "ion" and recs[1]["rel_err_vs_fa3"] < 1e-2
+    assert recs[0]["frac_copy_bw"] is None  # no ceilings measured
+
+
+def test_time_calls_cycles_through_rotations(fake_cuda):
+    seen = []
+    calls = [lambda i=i: seen.append(i) for i in range(3)]
+    ts = kr.time_calls(calls, iters=7, warmup=2)
+    assert len(ts) == 7 and all(t >= 0 for t in ts)
+    # warm-up (2), host-cost probe (min(10, iters) = 7), then 7 timed calls
+    assert seen[-7:] == [0, 1, 2, 0, 1, 2, 0]

@@ -1,0 +1,139 @@
+"""Registration, config plumbing and metrics of the Ion KV tier spec (CPU)."""
+
+import os
+
+import pytest
+
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from ion_vllm.kv_tier import SPEC_NAME, kv_transfer_config_dict, register_kv_tier
+
+
+def _cfg(extra, block_bytes=1 << 20, world=1, bpc=1):
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=64, layer_names=("l0", "l1")),),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="e",
+        model=OffloadingModelConfig(name="m", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=64, blocks_per_chunk=bpc),
+        parallel=OffloadingParallelConfig(rank=0, world_size=world, tp_size=world, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          is_parallelism_agnostic=True),
+    )
+
+
+def test_register_idempotent_and_resolvable():
+    register_kv_tier()
+    register_kv_tier()
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    assert OffloadingSpecFactory.get_spec_cls({"spec_name": SPEC_NAME}) is IonKVTierSpec
+    spec = OffloadingSpecFactory.create_spec(_cfg({"spec_name": SPEC_NAME,
+                                                   "cpu_bytes_to_use": 10 * (1 << 30)}))
+    assert isinstance(spec, IonKVTierSpec)
+
+
+def test_spec_sizes_and_decode_blocks():
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 100 * (1 << 20) + 5, "ring_mib": 8},
+                           block_bytes=1 << 20, world=2))
+    assert s.offload_prompt_only is False  # every full block, decode included
+    assert s.block_bytes == 2 << 20 and s.num_host_blocks == 50
+    assert s.num_host_blocks * s.block_bytes <= s.host_bytes
+    assert s.max_inflight_blocks == 32  # 4 x 8 MiB ring / 1 MiB per worker block
+    m = s.get_manager()
+    assert m is s.get_manager() and m.num_host_blocks == 50
+    s2 = IonKVTierSpec(_cfg({"host_gib": 1, "offload_prompt_only": True}))
+    assert s2.offload_prompt_only is True and s2.num_host_blocks == 1024
+
+
+def test_spec_rejects_multi_block_chunks_and_missing_size():
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    with pytest.raises(ValueError):
+        IonKVTierSpec(_cfg({"host_gib": 1}, bpc=4))
+    with pytest.raises(ValueError):
+        IonKVTierSpec(_cfg({}))
+
+
+def test_scheduler_side_config_stores_decode_blocks():
+    """vLLM's scheduler reads offload_prompt_only from the spec."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        SchedulerOffloadConfig,
+    )
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    s = IonKVTierSpec(_cfg({"host_gib": 1}))
+    cfg = SchedulerOffloadConfig(kv_group_configs=(), blocks_per_chunk=s.blocks_per_chunk,
+                                 num_workers=1, offload_prompt_only=s.offload_prompt_only)
+    assert cfg.offload_prompt_only is False
+
+
+def test_stats_and_metric_definitions():
+    from ion_vllm.kv_tier.manager import IonKVTierManager
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+    from ion_vllm.kv_tier.stats import M
+    from ion_vllm.kv_tier.testing import CTX, key_of
+
+    defs = IonKVTierSpec.build_metric_definitions({})
+    m = IonKVTierManager(4, 10, 40, 3)
+    out = m.prepare_store([key_of(i) for i in range(5)], CTX)
+    assert len(out.keys_to_store) == 3  # window of 3
+    m.complete_store(out.keys_to_store, CTX)
+    m.lookup(key_of(0), CTX)
+    m.lookup(key_of(4), CTX)
+    st = m.get_stats()
+    red = st.reduce()
+    for name in red:
+        assert name in defs, name
+    assert red[M.STORE_DROPPED_BLOCKS] == 2 and red[M.STORED_BLOCKS] == 3
+    assert red[M.LOOKUP_BLOCKS] == 2 and red[M.LOOKUP_HIT_BLOCKS] == 1
+    assert red[M.HOST_USED_BYTES] == 30
+    red2 = m.get_stats().reduce()  # counters are deltas since the last call
+    assert M.STORED_BLOCKS not in red2 and red2[M.HOST_USED_BYTES] == 30
+
+
+def test_kv_transfer_config_cli_form_parses():
+    from vllm.config import KVTransferConfig
+
+    d = kv_transfer_config_dict(2.5, ring_mib=64)
+    c = KVTransferConfig(**d)
+    assert c.kv_connector == "OffloadingConnector"
+    assert c.kv_connector_extra_config["spec_name"] == SPEC_NAME
+    assert c.kv_connector_extra_config["cpu_bytes_to_use"] == int(2.5 * (1 << 30))
+
+
+def test_env_switch(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import ion_vllm.kv_tier as kt
+
+    monkeypatch.setenv(kt.ENV_GB, "3")
+    orig = EngineArgs.create_engine_config
+    seen = {}
+
+    def fake(self, *a, **k):
+        seen["cfg"] = self.kv_transfer_config
+        return None
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", fake)
+    monkeypatch.setattr(kt, "_env_patched", False)
+    kt.register_kv_tier()
+    args = EngineArgs.__new__(EngineArgs)
+    args.kv_transfer_config = None
+    args.kv_offloading_size = None
+    EngineArgs.create_engine_config(args)
+    assert seen["cfg"].kv_connector_extra_config["spec_name"] == SPEC_NAME
+    assert seen["cfg"].kv_connector_extra_config["cpu_bytes_to_use"] == 3 << 30
+    monkeypatch.setattr(EngineArgs, "create_engine_config", orig)
+    assert os.environ[kt.ENV_GB] == "3"

@@ -1,0 +1,262 @@
+"""CPU tests of cute_kernels.reference against a naive dense implementation."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from cute_kernels.reference import (
+    make_paged_case,
+    new_token_slot_mapping,
+    reference_kv_append,
+    reference_paged_attention,
+    relative_error,
+    written_rows_mask,
+)
+
+PAGE = 64
+
+
+def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale):
+    """Dense float64 attention: gather token by token, explicit tril mask."""
+    total_q, hq, d = q.shape
+    _, hkv, page, _ = k_cache.shape
+    g = hq // hkv
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64)
+    qsl = qsl.tolist()
+    for b, L in enumerate(seq_lens.tolist()):
+        s, e = qsl[b], qsl[b + 1]
+        ql = e - s
+        if ql == 0 or L == 0:
+            continue
+        k = torch.stack([k_cache[int(block_table[b, p // page]), :, p % page]
+                         for p in range(L)]).double()  # [L, Hkv, D]
+        v = torch.stack([v_cache[int(block_table[b, p // page]), :, p % page]
+                         for p in range(L)]).double()
+        k = k.repeat_interleave(g, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(g, dim=1)
+        full_mask = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        mask = full_mask[L - ql:]  # rows of the new tokens
+        for h in range(hq):
+            sc = (q[s:e, h].double() @ k[:, h].T) * scale
+            sc = sc.masked_fill(~mask, float("-inf"))
+            out[s:e, h] = torch.softmax(sc, dim=-1) @ v[:, h]
+    return out
+
+
+CASES = [
+    # (q_lens, seq_lens, Hq, Hkv, D)
+    ([1], [1], 1, 1, 64),
+    ([1, 1, 1], [64, 65, 63], 4, 1, 128),               # page boundaries, decode
+    ([5], [5], 8, 1, 64),                               # fresh prefill, G=8
+    ([64, 1], [128, 129], 7, 1, 128),                   # G=7
+    ([0, 3, 0, 1], [50, 70, 0, 200], 8, 2, 64),         # 0-new rows, seq_len 0
+    ([130], [300], 28, 4, 128),                         # Qwen-7B shape, long chunk
+    ([1, 200, 1, 0], [1000, 256, 1, 17], 16, 2, 128),   # mixed
+    ([65, 63], [65, 127], 4, 4, 64),                    # G=1
+    ([2, 3], [191, 192], 14, 2, 64),                    # G=7, Hkv=2
+]
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_matches_naive(idx, dtype):
+    q_lens, seq_lens, hq, hkv, d = CASES[idx]
+    case = make_paged_case(1000 + idx, q_lens, seq_lens, hq, hkv, d, PAGE, dtype)
+    q, kc, vc, qsl, sl, bt = case
+    scale = 1.0 / math.sqrt(d)
+    ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
+    assert ref.dtype == torch.float32 and ref.shape == q.shape
+    naive = naive_attention(q, kc, vc, qsl, sl, bt, scale)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref.double(), naive, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_random_many():
+    rng = random.Random(7)
+    for i in range(25):
+        hkv = rng.randint(1, 4)
+        g = rng.choice([1, 4, 7, 8])
+        d = rng.choice([64, 128])
+        b = rng.randint(1, 5)
+        q_lens, seq_lens = [], []
+        for _ in range(b):
+            kind = rng.random()
+            if kind < 0.15:
+                q_lens.append(0)
+                seq_lens.append(rng.choice([0, rng.randint(1, 300)]))
+                continue
+            L = rng.choice([rng.randint(1, 400), PAGE * rng.randint(1, 5) + rng.choice([-1, 0, 1])])
+            ql = 1 if kind < 0.6 else rng.randint(1, L)
+            q_lens.append(ql)
+            seq_lens.append(L)
+        q, kc, vc, qsl, sl, bt = make_paged_case(i, q_lens, seq_lens, g * hkv, hkv, d,
+                                                 PAGE, torch.bfloat16, pad_rows=rng.randint(0, 3))
+        scale = rng.uniform(0.05, 0.2)
+        ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
+        naive = naive_attention(q, kc, vc, qsl, sl, bt, scale)
+        assert relative_error(ref, naive) < 1e-5, (q_lens, seq_lens)
+
+
+def test_long_chunk_is_chunked_correctly(monkeypatch):
+    # Force the score-chunking path (many q chunks) and compare with unchunked.
+    import cute_kernels.reference as r
+    q, kc, vc, qsl, sl, bt = make_paged_case(3, [300, 1], [700, 90], 8, 2, 64, PAGE)
+    full = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    monkeypatch.setattr(r, "_MAX_SCORE_ELEMS", 8 * 700 * 7)  # 7 rows per chunk
+    chunked = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    assert torch.equal(full, chunked)
+
+
+def test_decode_row_equals_last_prefill_row():
+    # The last token of a prefill and a decode of the same token see the same KV.
+    q, kc, vc, qsl, sl, bt = make_paged_case(5, [40], [100], 4, 1, 128, PAGE)
+    full = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.1)
+    dec = reference_paged_attention(q[-1:], kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+                                    sl, bt, 0.1)
+    torch.testing.assert_close(full[-1:], dec, atol=1e-6, rtol=1e-6)
+
+
+def test_zero_rows_and_padding_untouched():
+    q, kc, vc, qsl, sl, bt = make_paged_case(6, [2, 0, 3, 0], [10, 33, 3, 0], 4, 2, 64, PAGE,
+                                             pad_rows=4)
+    assert q.shape[0] == 9
+    ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    mask = written_rows_mask(qsl, sl, q.shape[0])
+    assert mask.tolist() == [True] * 5 + [False] * 4
+    assert (ref[~mask] == 0).all()
+    assert (ref[mask].abs().sum(dim=(1, 2)) > 0).all()
+
+
+def test_permuted_block_table_detected():
+    # A wrong page mapping must produce a large error (the reference is sensitive).
+    q, kc, vc, qsl, sl, bt = make_paged_case(8, [1, 1, 64], [300, 129, 200], 8, 2, 128, PAGE)
+    ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, 1 / math.sqrt(128))
+    # Swapping two *fully visible* pages is invisible to attention (a set
+    # operation over (k, v) pairs), so swap pages whose visibility differs:
+    # page 0 with the partial last page (300 = 4 * 64 + 44) of the decode row ...
+    bad = bt.clone()
+    bad[0, [0, 4]] = bad[0, [4, 0]]
+    wrong = reference_paged_attention(q, kc, vc, qsl, sl, bad, 1 / math.sqrt(128))
+    assert relative_error(wrong[0:1], ref[0:1]) > 0.05
+    # ... and two pages of the prefill chunk, one of them under the causal edge.
+    bad = bt.clone()
+    bad[2, [0, 2]] = bad[2, [2, 0]]
+    wrong = reference_paged_attention(q, kc, vc, qsl, sl, bad, 1 / math.sqrt(128))
+    assert relative_error(wrong[2:], ref[2:]) > 0.05
+    # Sanity: swapping two fully visible pages of a decode row changes nothing.
+    bad = bt.clone()
+    bad[0, [0, 1]] = bad[0, [1, 0]]
+    same = reference_paged_attention(q, kc, vc, qsl, sl, bad, 1 / math.sqrt(128))
+    assert relative_error(same[0:1], ref[0:1]) < 1e-5
+    # Reading a spare (never referenced) page instead is also detected.
+    used = set(bt[:, :5].flatten().tolist())
+    spare = next(p for p in range(kc.shape[0]) if p not in used)
+    bad2 = bt.clone()
+    bad2[2, 1] = spare
+    wrong2 = reference_paged_attention(q, kc, vc, qsl, sl, bad2, 1 / math.sqrt(128))
+    assert relative_error(wrong2, ref) > 0.05
+    # Off-by-one causal bound (attending one extra future position) is detected.
+    q2, kc2, vc2, qsl2, sl2, bt2 = make_paged_case(9, [64], [64], 4, 1, 64, PAGE)
+    ref2 = reference_paged_attention(q2, kc2, vc2, qsl2, sl2, bt2, 0.125)
+    shifted = reference_paged_attention(q2[1:], kc2, vc2, torch.tensor([0, 63], dtype=torch.int32),
+                                        sl2, bt2, 0.125)
+    assert relative_error(shifted, ref2[:63]) > 0.05
+
+
+def test_gqa_mapping_detected():
+    # q head hq must read KV head hq // G, not hq % Hkv.
+    q, kc, vc, qsl, sl, bt = make_paged_case(10, [4], [80], 8, 2, 64, PAGE)
+    ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    perm = torch.arange(8).reshape(4, 2).T.reshape(-1)  # head order for the wrong mapping
+    wrong = reference_paged_attention(q[:, perm], kc, vc, qsl, sl, bt, 0.125)[:, perm.argsort()]
+    assert relative_error(wrong, ref) > 0.05
+
+
+def test_make_paged_case_properties():
+    a = make_paged_case(11, [3, 1, 0], [130, 64, 0], 8, 2, 64, PAGE)
+    b = make_paged_case(11, [3, 1, 0], [130, 64, 0], 8, 2, 64, PAGE)
+    c = make_paged_case(12, [3, 1, 0], [130, 64, 0], 8, 2, 64, PAGE)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.equal(a.k_cache, c.k_cache)
+    q, kc, vc, qsl, sl, bt = a
+    assert q.shape == (4, 8, 64) and q.dtype == torch.bfloat16
+    assert kc.shape[1:] == (2, PAGE, 64) and kc.shape == vc.shape
+    assert qsl.dtype == torch.int32 and sl.dtype == torch.int32 and bt.dtype == torch.int32
+    assert qsl.tolist() == [0, 3, 4, 4]
+    used = bt[0, :3].tolist() + bt[1, :1].tolist()
+    assert len(set(used)) == 4  # distinct physical pages
+    assert kc.shape[0] >= 4 + 4  # spare pages exist
+    assert (kc.float().abs().sum(dim=(1, 2, 3)) > 0).all()  # no all-zero pages
+    assert (bt >= 0).all() and (bt < kc.shape[0]).all()
+    with pytest.raises(ValueError):
+        make_paged_case(0, [5], [4], 1, 1, 64, PAGE)
+
+
+def test_kv_append_and_slot_mapping():
+    q, kc, vc, qsl, sl, bt = make_paged_case(13, [3, 0, 65, 1], [66, 10, 65, 128], 4, 2, 64,
+                                             PAGE, pad_rows=2)
+    total_q = q.shape[0]
+    slots = new_token_slot_mapping(qsl, sl, bt, PAGE, total_q)
+    assert slots.dtype == torch.int64 and slots.shape == (total_q,)
+    assert slots[-2:].tolist() == [-1, -1]
+    # request 0: positions 63, 64, 65 -> page 0 offset 63, page 1 offsets 0, 1
+    assert slots[:3].tolist() == [int(bt[0, 0]) * 64 + 63, int(bt[0, 1]) * 64, int(bt[0, 1]) * 64 + 1]
+    # last request: position 127 -> page 1 offset 63
+    assert slots[68].item() == int(bt[3, 1]) * 64 + 63
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(total_q, 2, 64, generator=gen).to(torch.bfloat16)
+    val = torch.randn(total_q, 2, 64, generator=gen).to(torch.bfloat16)
+    k2, v2 = kc.clone(), vc.clone()
+    reference_kv_append(key, val, k2, v2, slots)
+    # Naive per-token check.
+    k3, v3 = kc.clone(), vc.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        k3[s // 64, :, s % 64] = key[i]
+        v3[s // 64, :, s % 64] = val[i]
+    assert torch.equal(k2, k3) and torch.equal(v2, v3)
+    changed = (k2 != kc).any(dim=(1, 3))  # [blocks, P]
+    assert int(changed.sum()) == 69  # exactly the non-padding tokens
+    # padding rows' key must not appear anywhere
+    assert not torch.equal(k2, kc)
+    # After the append, attention of the new tokens sees the new keys.
+    ref_old = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    ref_new = reference_paged_attention(q, k2, v2, qsl, sl, bt, 0.125)
+    assert relative_error(ref_new, ref_old) > 0.05
+
+
+def test_kv_append_negative_slots_skipped_and_int32():
+    kc = torch.randn(3, 1, 64, 64)
+    vc = torch.randn(3, 1, 64, 64)
+    key = torch.randn(3, 1, 64)
+    val = torch.randn(3, 1, 64)
+    k0, v0 = kc.clone(), vc.clone()
+    reference_kv_append(key, val, kc, vc, torch.tensor([-1, 130, -5], dtype=torch.int32))
+    assert torch.equal(kc[2, 0, 2], key[1, 0]) and torch.equal(vc[2, 0, 2], val[1, 0])
+    kc[2, 0, 2] = k0[2, 0, 2]
+    vc[2, 0, 2] = v0[2, 0, 2]
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+    with pytest.raises(ValueError):
+        reference_kv_append(key, val, kc, vc, torch.tensor([0, 1, 3 * 64]))
+
+
+def test_relative_error():
+    a = torch.ones(4, 2, 2)
+    assert relative_error(a, a) == 0.0
+    b = a.clone()
+    b[0, 0, 0] = 2.0
+    assert relative_error(b, a) == pytest.approx(1 / math.sqrt(16))
+    b[1, 0, 0] = float("nan")
+    assert not relative_error(b, a) <= 1e-2
+    mask = torch.tensor([False, False, True, True])
+    assert relative_error(b, a, mask) == 0.0
+
+
+def test_contract_violation_raises():
+    q, kc, vc, qsl, sl, bt = make_paged_case(14, [4], [10], 4, 1, 64, PAGE)
+    with pytest.raises(ValueError):
+        reference_paged_attention(q, kc, vc, qsl, torch.tensor([3], dtype=torch.int32), bt, 0.1)

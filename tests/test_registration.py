@@ -1,0 +1,192 @@
+"""CPU tests: `--attention-backend ION` through vLLM 0.26's own CLI parser and config.
+
+Everything here runs on a CPU-only machine: vLLM's platform is forced to CpuPlatform and
+the model is a tiny Qwen2 config.json written into tmp_path (no hub access).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ION_PATH = "ion_vllm.backend.IonAttentionBackend"
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def write_tiny_model(path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_QWEN2))
+    return str(path)
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """Make vLLM resolve `current_platform` to CpuPlatform (also in modules that already
+    bound the name at import time)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("vllm") and module is not None
+                and "current_platform" in getattr(module, "__dict__", {})):
+            monkeypatch.setattr(module, "current_platform", platform)
+    return platform
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    return write_tiny_model(tmp_path / "tiny-qwen2")
+
+
+def engine_config_from_cli(argv):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(argv)
+    return EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- register()
+def test_register_is_idempotent_cheap_and_keeps_enum_iteration():
+    res = run_python("""
+        import sys
+        import torch
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        members_before = list(AttentionBackendEnum)
+        import ion_vllm
+        ion_vllm.register()
+        ion_vllm.register()
+        from ion_vllm.registration import is_registered
+        assert is_registered()
+        assert AttentionBackendEnum["ION"] is AttentionBackendEnum.CUSTOM
+        assert AttentionBackendEnum["CUSTOM"] is AttentionBackendEnum.CUSTOM
+        assert AttentionBackendEnum.CUSTOM.get_path() == "%s"
+        assert list(AttentionBackendEnum) == members_before, "iteration changed"
+        assert "ION" in AttentionBackendEnum.__members__
+        heavy = [m for m in ("cutlass", "cute_kernels", "ion_vllm.backend") if m in sys.modules]
+        assert not heavy, heavy
+        assert not torch.cuda.is_initialized()
+        print("OK")
+    """ % ION_PATH)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.strip().endswith("OK")
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert "ion" in eps, "pip install -e . did not register the vllm.general_plugins entry"
+    assert eps["ion"].value == "ion_vllm:register"
+    import ion_vllm
+
+    assert eps["ion"].load() is ion_vllm.register
+
+
+def test_vllm_load_general_plugins_registers_ion():
+    res = run_python("""
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        assert "ION" not in AttentionBackendEnum.__members__
+        assert not AttentionBackendEnum.CUSTOM.is_overridden()
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        assert AttentionBackendEnum["ION"] is AttentionBackendEnum.CUSTOM
+        print(AttentionBackendEnum.CUSTOM.get_path())
+    """)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.strip().splitlines()[-1] == ION_PATH
+
+
+# ----------------------------------------------------------------------------- CLI + config
+@pytest.mark.parametrize("name", ["ION", "ion", "CUSTOM"])
+def test_cli_attention_backend_resolves_to_ion(cpu_platform, tiny_model, name):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cfg = engine_config_from_cli(["--model", tiny_model, "--attention-backend", name,
+                                  "--skip-tokenizer-init", "--load-format", "dummy"])
+    backend = cfg.attention_config.backend
+    assert backend is AttentionBackendEnum.CUSTOM
+    assert backend.get_path() == ION_PATH
+    from ion_vllm.backend import IonAttentionBackend
+
+    assert backend.get_class() is IonAttentionBackend
+
+
+def test_serve_parser_accepts_ion(cpu_platform, tiny_model):
+    """The `vllm serve` argument parser (OpenAI server CLI) + AsyncEngineArgs."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", tiny_model, "--attention-backend", "ION",
+                              "--skip-tokenizer-init", "--load-format", "dummy"])
+    cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.attention_config.backend is AttentionBackendEnum.CUSTOM
+    assert cfg.attention_config.backend.get_path() == ION_PATH
+
+
+def test_unknown_backend_is_still_refused(cpu_platform, tiny_model):
+    with pytest.raises(Exception) as err:
+        engine_config_from_cli(["--model", tiny_model, "--attention-backend", "IONX",
+                                "--skip-tokenizer-init", "--load-format", "dummy"])
+    assert "Unknown attention backend" in str(err.value)
+    assert "ION" in str(err.value)
+
+
+def test_config_survives_pickle_into_fresh_process(cpu_platform, tiny_model, tmp_path):
+    """Like `vllm serve`: the config is unpickled in a fresh process *before* plugins load
+    there; the backend must still be CUSTOM and resolve to ION once plugins are loaded."""
+    cfg = engine_config_from_cli(["--model", tiny_model, "--attention-backend", "ION",
+                                  "--skip-tokenizer-init", "--load-format", "dummy"])
+    blob = tmp_path / "vllm_config.pkl"
+    blob.write_bytes(pickle.dumps(cfg))
+    res = run_python(f"""
+        import pickle
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        cfg = pickle.loads(open({str(blob)!r}, "rb").read())
+        backend = cfg.attention_config.backend
+        assert backend is AttentionBackendEnum.CUSTOM, backend
+        assert not backend.is_overridden()  # plugins not loaded yet in this process
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        assert AttentionBackendEnum["ION"] is backend
+        print(backend.get_path())
+    """)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.strip().splitlines()[-1] == ION_PATH

@@ -1,0 +1,212 @@
+"""CPU tests of scripts/gpu_sweep.py: case generator, judging and the run loop
+(with reference-backed / deliberately broken implementations injected)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(ROOT, "scripts", "gpu_sweep.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_sweep_under_test", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sw = _load()
+
+
+@pytest.fixture(scope="module")
+def default_cases():
+    return sw.make_cases(sw.DEFAULT_CASES, 0)
+
+
+def test_default_count_and_bounds(default_cases):
+    assert len(default_cases) == 240 >= 200
+    for c in default_cases:
+        assert c.total_kv <= sw.DEFAULT_MAX_KV_TOKENS
+        assert len(c.q_lens) == len(c.seq_lens) >= 2
+        for q, L in zip(c.q_lens, c.seq_lens):
+            assert 0 <= q <= 2048 and 0 <= L <= 32768
+            assert L >= q
+            assert not (L == 0 and q > 0)
+        assert c.hq == c.g * c.hkv and 1 <= c.hkv <= 4
+        assert c.dtype in ("bfloat16", "float16")
+        assert c.slot_dtype in ("int64", "int32")
+        # every case mixes decode rows with a prefill chunk
+        assert 1 in c.q_lens
+        assert any(q >= 2 for q in c.q_lens)
+
+
+def test_coverage(default_cases):
+    cs = default_cases
+    assert {c.g for c in cs} == {1, 4, 7, 8}
+    assert {c.d for c in cs} == {64, 128}
+    assert {c.hkv for c in cs} == {1, 2, 3, 4}
+    assert {(c.g, c.d, c.dtype) for c in cs} == {
+        (g, d, t) for g in (1, 4, 7, 8) for d in (64, 128) for t in ("bfloat16", "float16")}
+    assert sum(c.dtype == "float16" for c in cs) >= 30
+    lens = [L for c in cs for L in c.seq_lens]
+    assert 1 in lens
+    assert sum(1 for L in lens if L > 0 and L % 64 == 0) >= 50
+    assert sum(1 for L in lens if L % 64 == 1) >= 20
+    assert sum(1 for L in lens if L % 64 == 63) >= 20
+    assert max(lens) >= 30000
+    assert sum(1 for L in lens if L >= 16384) >= 20
+    rows = [(q, L) for c in cs for q, L in zip(c.q_lens, c.seq_lens)]
+    assert sum(1 for q, L in rows if q == 0 and L > 0) >= 50  # 0 new tokens, with context
+    assert sum(1 for q, L in rows if q == 0 and L == 0) >= 20  # empty requests
+    assert sum(1 for q, L in rows if q >= 2 and q == L) >= 50  # fresh prefills
+    assert sum(1 for q, L in rows if q >= 2 and L > q) >= 100  # chunks with context
+    assert sum(1 for q, L in rows if q >= 2 and (L - q) % 64 == 0 and L > q) >= 20
+    assert max(q for q, _ in rows) >= 1900
+    assert sum(1 for c in cs if c.pad_rows > 0) >= 30
+    assert {"decode", "prefill", "chunk", "zero_new", "empty", "page_boundary", "long",
+            "pad_rows"} <= {t for c in cs for t in c.tags}
+
+
+def test_deterministic_by_seed():
+    a = sw.make_cases(60, 5)
+    b = sw.make_cases(60, 5)
+    c = sw.make_cases(60, 6)
+    assert [x.to_json() for x in a] == [x.to_json() for x in b]
+    assert [x.to_json() for x in a] != [x.to_json() for x in c]
+    # a case does not depend on how many cases are generated
+    assert sw.make_cases(10, 5)[7].to_json() == a[7].to_json()
+
+
+def test_bounds_options():
+    cs = sw.make_cases(40, 1, max_kv_tokens=4096, pad_rows=False)
+    assert all(c.total_kv <= 4096 for c in cs)
+    assert all(c.pad_rows == 0 for c in cs)
+
+
+def test_judge():
+    assert sw.judge(5e-3, False, True, True, 1e-2)
+    assert not sw.judge(2e-2, False, True, True, 1e-2)
+    assert not sw.judge(float("nan"), False, True, True, 1e-2)
+    assert not sw.judge(1e-3, True, True, True, 1e-2)
+    assert not sw.judge(1e-3, False, False, True, 1e-2)
+    assert not sw.judge(1e-3, False, True, False, 1e-2)
+
+
+def test_summarize_nan_is_worst(default_cases):
+    cs = default_cases[:3]
+    res = [{"index": 0, "pass": True, "rel_err": 1e-3},
+           {"index": 1, "pass": False, "rel_err": float("nan")},
+           {"index": 2, "pass": False, "rel_err": None, "error": "boom"}]
+    s = sw.summarize(cs, res, 1e-2)
+    assert s["failed"] == 2 and s["failed_indices"] == [1, 2] and s["verdict"] == "FAIL"
+    assert math.isnan(s["max_rel_err"])
+    assert sum(v["errors"] for v in s["by_variant"].values()) == 1
+
+
+# ---- the run loop on CPU with injected implementations --------------------------
+
+def _ref_impl(**overrides):
+    from cute_kernels.reference import reference_kv_append, reference_paged_attention, \
+        written_rows_mask
+
+    def ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
+        ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
+        m = written_rows_mask(qsl, sl, q.shape[0])
+        out[m] = ref[m].to(out.dtype)
+
+    impl = types.SimpleNamespace(kv_append=reference_kv_append, ion_attention=ion_attention)
+    for k, v in overrides.items():
+        setattr(impl, k, v)
+    return impl
+
+
+SMALL = sw.make_cases(12, 11, max_kv_tokens=1500)
+
+
+@pytest.mark.parametrize("case", SMALL[:6], ids=lambda c: f"case{c.index}")
+def test_run_case_reference_impl_passes(case):
+    r = sw.run_case(case, "cpu", 1e-2, impl=_ref_impl())
+    assert r["error"] is None, r.get("traceback")
+    assert r["pass"] and r["cache_ok"] and r["poison_ok"] and not r["nan_in_written"]
+    assert r["rel_err"] < 1e-2
+
+
+def test_run_case_detects_bugs():
+    from cute_kernels.reference import reference_kv_append
+    case = next(c for c in SMALL if c.pad_rows > 0 or 0 in c.q_lens)
+    base = _ref_impl()
+
+    def attn_touches_all(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale)
+        out[torch.isnan(out)] = 0  # writes rows it must not touch
+
+    def attn_misses_rows(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale)
+        out[int(qsl[-1]) - 1] = float("nan")  # last written row missing
+
+    def attn_wrong_scale(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale * 2.0)
+
+    def append_off_by_one(key, value, kc, vc, slots):
+        s = slots.clone()
+        s[s >= 0] += 1
+        s[s >= kc.shape[0] * kc.shape[2]] = -1
+        reference_kv_append(key, value, kc, vc, s)
+
+    def append_skips_half(key, value, kc, vc, slots):
+        s = slots.clone()
+        s[::2] = -1
+        reference_kv_append(key, value, kc, vc, s)
+
+    def crashes(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    checks = [
+        (dict(ion_attention=attn_touches_all), "poison_ok"),
+        (dict(ion_attention=attn_misses_rows), "nan_in_written"),
+        (dict(ion_attention=attn_wrong_scale), "rel_err"),
+        (dict(kv_append=append_off_by_one), "cache_ok"),
+        (dict(kv_append=append_skips_half), "cache_ok"),
+        (dict(ion_attention=crashes), "error"),
+    ]
+    for ov, field in checks:
+        r = sw.run_case(case, "cpu", 1e-2, impl=_ref_impl(**ov))
+        assert not r["pass"], (list(ov), field, r)
+        if field == "poison_ok":
+            assert r["poison_ok"] is False
+        elif field == "nan_in_written":
+            assert r["nan_in_written"] is True
+        elif field == "rel_err":
+            assert r["rel_err"] > 1e-2
+        elif field == "cache_ok":
+            assert r["cache_ok"] is False
+        else:
+            assert "kernel exploded" in r["error"]
+
+
+def test_fault_injection_fails_every_case():
+    for case in SMALL[:6]:
+        r = sw.run_case(case, "cpu", 1e-2, fault="spare_pages", impl=_ref_impl())
+        assert r["error"] is None, r.get("traceback")
+        assert not r["pass"] and r["rel_err"] > 5e-2, (case.to_json(), r)
+
+
+def test_cli_list_and_help():
+    r = subprocess.run([sys.executable, PATH, "--list", "--cases", "5", "--seed", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["index"] for x in lines] == list(range(5))
+    assert lines[3] == sw.make_case(3, 2).to_json()
+    h = subprocess.run([sys.executable, PATH, "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert h.returncode == 0 and "--cases" in h.stdout and "--fault" in h.stdout

@@ -1,0 +1,130 @@
+"""ION refuses every unsupported configuration, with an actionable reason (CPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ion_vllm import validation
+from ion_vllm.validation import IonUnsupportedError, backend_config_reasons, check_layer
+
+GOOD = dict(
+    head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+    use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+    use_per_head_quant_scales=False, device_capability=(9, 0), attn_type="decoder",
+)
+
+BAD_BACKEND = [
+    # (override, substring of the reason, what the reason tells the user to do)
+    (dict(device_capability=(8, 0)), "sm_80", "FLASH_ATTN"),
+    (dict(device_capability=(10, 0)), "sm_100", "FLASH_ATTN"),
+    (dict(device_capability=(8, 9)), "sm_89", "FLASH_ATTN"),
+    (dict(head_size=96), "head size 96", "FLASH_ATTN"),
+    (dict(head_size=256), "head size 256", "FLASH_ATTN"),
+    (dict(dtype=torch.float32), "float32", "--dtype bfloat16"),
+    (dict(kv_cache_dtype="fp8"), "'fp8'", "--kv-cache-dtype auto"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "'fp8_e4m3'", "--kv-cache-dtype auto"),
+    (dict(block_size=16), "--block-size 16", "--block-size 64"),
+    (dict(block_size=32), "--block-size 32", "--block-size 64"),
+    (dict(block_size=96), "--block-size 96", "--block-size 64"),
+    (dict(has_sliding_window=True), "sliding-window", "FLASH_ATTN"),
+    (dict(has_sink=True), "sinks", "FLASH_ATTN"),
+    (dict(use_mla=True), "MLA", "FLASH_ATTN"),
+    (dict(use_sparse=True), "sparse", "FLASH_ATTN"),
+    (dict(attn_type="encoder_only"), "encoder_only", "FLASH_ATTN"),
+    (dict(attn_type="encoder"), "'encoder'", "FLASH_ATTN"),
+    (dict(attn_type="encoder_decoder"), "encoder_decoder", "FLASH_ATTN"),
+    (dict(use_non_causal=True), "non-causal", "FLASH_ATTN"),
+    (dict(use_mm_prefix=True), "multimodal", "FLASH_ATTN"),
+    (dict(use_per_head_quant_scales=True), "per-head", "--kv-cache-dtype auto"),
+    (dict(use_batch_invariant=True), "VLLM_BATCH_INVARIANT", "unset"),
+    (dict(use_pcp=True), "prefill context parallel", "--prefill-context-parallel-size 1"),
+]
+
+
+def test_good_backend_config_has_no_reasons():
+    assert backend_config_reasons(**GOOD) == []
+    for ok in (dict(head_size=64), dict(dtype=torch.float16), dict(dtype="bfloat16"),
+               dict(kv_cache_dtype="bfloat16"), dict(kv_cache_dtype=None),
+               dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True)):
+        assert backend_config_reasons(**{**GOOD, **ok}) == [], ok
+
+
+@pytest.mark.parametrize("override,what,todo", BAD_BACKEND,
+                         ids=[next(iter(b[0])) + "=" + str(next(iter(b[0].values())))
+                              for b in BAD_BACKEND])
+def test_bad_backend_config_is_refused_with_reason(override, what, todo):
+    reasons = backend_config_reasons(**{**GOOD, **override})
+    assert len(reasons) == 1, reasons
+    assert what in reasons[0] and todo in reasons[0], reasons[0]
+    assert reasons[0].startswith("ION:")
+
+
+def test_backend_validate_configuration_matches_vllm_selector_signature():
+    """Call it exactly the way vLLM 0.26's CUDA platform does."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from ion_vllm.backend import IonAttentionBackend
+
+    good = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
+                                   kv_cache_dtype="auto", block_size=None)
+    assert IonAttentionBackend.validate_configuration(
+        device_capability=DeviceCapability(9, 0), **good._asdict()) == []
+    reasons = IonAttentionBackend.validate_configuration(
+        device_capability=DeviceCapability(8, 6),
+        **good._replace(head_size=80, kv_cache_dtype="fp8", block_size=16,
+                        has_sliding_window=True)._asdict())
+    joined = "\n".join(reasons)
+    for what in ("sm_86", "head size 80", "'fp8'", "--block-size 16", "sliding-window"):
+        assert what in joined
+    assert len(reasons) == 5
+
+
+GOOD_LAYER = dict(num_heads=28, num_kv_heads=4, head_size=128)
+
+BAD_LAYER = [
+    (dict(num_heads=40, num_kv_heads=4), "GQA ratio 10"),
+    (dict(num_heads=64, num_kv_heads=4), "GQA ratio 16"),
+    (dict(num_heads=30, num_kv_heads=4), "not a multiple"),
+    (dict(head_size=80), "head size 80"),
+    (dict(alibi_slopes=[0.5] * 28), "ALiBi"),
+    (dict(sliding_window=4096), "sliding window (4096)"),
+    (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(has_sinks=True), "sinks"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2"),
+    (dict(attn_type="encoder_decoder"), "encoder_decoder"),
+]
+
+
+def test_good_layers_pass():
+    for ok in (GOOD_LAYER, dict(num_heads=32, num_kv_heads=32, head_size=64),
+               dict(num_heads=32, num_kv_heads=4, head_size=128),
+               dict(num_heads=7, num_kv_heads=1, head_size=64),
+               dict(GOOD_LAYER, logits_soft_cap=0.0)):
+        assert validation.layer_config_reasons(**ok) == [], ok
+        check_layer(**ok)
+
+
+@pytest.mark.parametrize("override,what", BAD_LAYER, ids=[b[1] for b in BAD_LAYER])
+def test_bad_layer_is_refused(override, what):
+    with pytest.raises(IonUnsupportedError) as err:
+        check_layer(**{**GOOD_LAYER, **override})
+    assert len(err.value.reasons) == 1
+    assert what in str(err.value)
+
+
+def test_impl_refuses_bad_layer_at_construction():
+    from ion_vllm.backend import IonAttentionImpl
+
+    with pytest.raises(IonUnsupportedError, match="GQA ratio 16"):
+        IonAttentionImpl(num_heads=64, head_size=128, scale=0.1, num_kv_heads=4)
+    with pytest.raises(IonUnsupportedError, match="ALiBi"):
+        IonAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=8,
+                         alibi_slopes=[0.1] * 8)
+    with pytest.raises(IonUnsupportedError, match="soft cap"):
+        IonAttentionImpl(8, 64, 0.1, 8, None, None, "auto", 50.0)
+    with pytest.raises(IonUnsupportedError, match="sinks"):
+        IonAttentionImpl(8, 64, 0.1, 8, sinks=torch.zeros(8))
+    impl = IonAttentionImpl(num_heads=28, head_size=128, scale=0.088, num_kv_heads=4)
+    assert impl.num_queries_per_kv == 7 and impl.scale == pytest.approx(0.088)
