@@ -115,7 +115,7 @@ def _ion_plan(case: Case, device):
     qsl = np.asarray(case.query_start_loc(), dtype=np.int32)
     sl = np.asarray(case.kv_lens, dtype=np.int32)
     return make_device_plan(qsl, sl, num_kv_heads=case.hkv, group_size=case.hq // case.hkv,
-                            page_size=case.ion_page, device=device)
+                            page_size=case.ion_page, head_dim=case.d, device=device)
 
 
 def ion_cache(case: Case, rot: int, device):
