@@ -14,7 +14,7 @@ _EXPORTS = {
     "ion_attention": ("cute_kernels.attention", "ion_attention"),
     "make_device_plan": ("cute_kernels.attention", "make_device_plan"),
     "DevicePlan": ("cute_kernels.attention", "DevicePlan"),
-    "kv_append": ("cute_kernels.kv_append", "kv_append"),
+    "kv_append": ("cute_kernels.append_sm90", "kv_append"),
     "reference_paged_attention": ("cute_kernels.reference", "reference_paged_attention"),
     "reference_kv_append": ("cute_kernels.reference", "reference_kv_append"),
     "plan": ("cute_kernels.planner", "plan"),

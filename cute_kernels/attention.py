@@ -287,3 +287,15 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         _compiled_combine(variant)(out, query_start_loc, plan.combine, plan.partial_o,
                                    plan.partial_lse, G, plan.num_ctas)
     return out
+
+
+def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
+               page_size: int, slot_dtype=torch.int64) -> None:
+    """Compile (and load) every kernel one model config will launch: attention, combine and
+    kv_append.  Call it before CUDA-graph capture, so no compilation happens inside it."""
+    from .append_sm90 import _compiled_kernel
+
+    variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size)
+    _compiled(variant)
+    _compiled_combine(variant)
+    _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Randomized GPU correctness sweep of cute_kernels.kv_append + ion_attention.
+"""Randomized GPU correctness sweep of cute_kernels.append_sm90 + ion_attention.
 
 Usage (on a Hopper GPU):
     python scripts/gpu_sweep.py [--cases 240] [--seed 0] [--out DIR]
@@ -13,7 +13,7 @@ int64 or int32 slot mappings.  Total KV tokens per case <= --max-kv-tokens.
 
 Per case:
   1. random paged caches (shuffled pages + garbage spare pages), random new K/V;
-  2. ``cute_kernels.kv_append`` writes the new K/V at ``slot_mapping``;
+  2. ``cute_kernels.append_sm90`` writes the new K/V at ``slot_mapping``;
      ``reference_kv_append`` does the same on a copy -> caches must be equal;
   3. ``out`` is filled with NaN, ``cute_kernels.ion_attention`` runs;
   4. compared with ``reference_paged_attention`` (fp32) on the reference cache.
@@ -372,7 +372,7 @@ def print_table(summary: Dict) -> None:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        description="Randomized GPU sweep of cute_kernels.kv_append + ion_attention "
+        description="Randomized GPU sweep of cute_kernels.append_sm90 + ion_attention "
                     "against the fp32 reference.")
     ap.add_argument("--cases", type=int, default=DEFAULT_CASES, help="number of cases (240)")
     ap.add_argument("--seed", type=int, default=0, help="base seed")

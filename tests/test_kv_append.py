@@ -1,4 +1,4 @@
-"""Tests of cute_kernels.kv_append.
+"""Tests of cute_kernels.append_sm90.
 
 CPU: sm_90a compile + PTX checks (16-byte vector global loads/stores), host
 validation, compile cache.  GPU (``@pytest.mark.gpu``): bitwise comparison with
@@ -16,7 +16,7 @@ pytest.importorskip("cutlass")
 
 from cute_kernels import kv_append as kv_mod  # noqa: E402
 from cute_kernels.compile_utils import compile_sm90a  # noqa: E402
-from cute_kernels.kv_append import (  # noqa: E402
+from cute_kernels.append_sm90 import (  # noqa: E402
     KVAppendKernel,
     kv_append,
     kv_append_fake_args,
