@@ -32,7 +32,7 @@ validation below only exists to give clearer error messages first.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 

@@ -9,14 +9,12 @@ CPU machine (``compile_variant``); see tests/test_compile_sm90.py.
 from __future__ import annotations
 
 import functools
-import math
-import os
 import threading
 from typing import Optional
 
 import torch
 
-from .variants import CTAS_PER_SM, Variant, group_pad_for, variant_for
+from .variants import CTAS_PER_SM, Variant, variant_for
 
 _compile_lock = threading.Lock()
 

@@ -23,8 +23,6 @@ their log2-sum-exp to a workspace instead; ``combine_sm90.py`` merges the splits
 
 from __future__ import annotations
 
-import math
-from typing import Tuple
 
 import cutlass
 import cutlass.cute as cute
@@ -211,30 +209,9 @@ class IonAttentionSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_mbar.data_ptr(),
-            num_stages=self.q_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            tx_count=self.q_bytes,
-            defer_sync=True,
-        )
-        k_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.k_mbar.data_ptr(),
-            num_stages=self.kv_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            tx_count=self.kv_bytes,
-            defer_sync=True,
-        )
-        v_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.v_mbar.data_ptr(),
-            num_stages=self.kv_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            tx_count=self.kv_bytes,
-            defer_sync=True,
-        )
+        q_pipe = self._tma_pipeline(storage.q_mbar.data_ptr(), self.q_stages, self.q_bytes)
+        k_pipe = self._tma_pipeline(storage.k_mbar.data_ptr(), self.kv_stages, self.kv_bytes)
+        v_pipe = self._tma_pipeline(storage.v_mbar.data_ptr(), self.kv_stages, self.kv_bytes)
         q_prod, q_cons = q_pipe.make_participants()
         k_prod, k_cons = k_pipe.make_participants()
         v_prod, v_cons = v_pipe.make_participants()
@@ -318,8 +295,6 @@ class IonAttentionSm90:
             row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
             row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
             corr = cute.make_rmem_tensor((2,), cutlass.Float32)
-            n_s = cute.size(acc_s)
-            n_o = cute.size(acc_o)
 
             for it in cutlass.range(item_begin, item_end, 1, unroll=1):
                 b = mWork[it, W_REQ]
@@ -382,6 +357,18 @@ class IonAttentionSm90:
                                         row0, q_cnt, group_size, poff, scale_log2)
 
     # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _tma_pipeline(barriers, stages: int, tx_bytes: int):
+        """mbarrier pipeline: one TMA-issuing producer thread, the 4 consumer warps."""
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=tx_bytes,
+            defer_sync=True,
+        )
+
     @cute.jit
     def _issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage):
         acc_s.fill(0.0)

@@ -66,7 +66,6 @@ def time_case(name, q_lens, seq_lens, Hq, Hkv, D, dtype, iters=50):
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     cases = []
     kv_bytes = 0
-    rot = 1
     while True:
         c = make_paged_case(len(cases) + 100, q_lens, seq_lens, Hq, Hkv, D, page=64, dtype=dtype,
                             device="cuda", spare_pages=0)

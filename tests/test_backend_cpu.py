@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import types
 
 import numpy as np
@@ -32,20 +31,6 @@ TINY_QWEN2 = {
 }
 HQ, HKV, D, P = 4, 2, 64, 64
 
-
-@pytest.fixture
-def cpu_platform(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platform = CpuPlatform()
-    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("vllm") and module is not None
-                and "current_platform" in getattr(module, "__dict__", {})):
-            monkeypatch.setattr(module, "current_platform", platform)
-    return platform
 
 
 @pytest.fixture

@@ -43,22 +43,6 @@ def write_tiny_model(path) -> str:
     return str(path)
 
 
-@pytest.fixture
-def cpu_platform(monkeypatch):
-    """Make vLLM resolve `current_platform` to CpuPlatform (also in modules that already
-    bound the name at import time)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platform = CpuPlatform()
-    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("vllm") and module is not None
-                and "current_platform" in getattr(module, "__dict__", {})):
-            monkeypatch.setattr(module, "current_platform", platform)
-    return platform
-
 
 @pytest.fixture
 def tiny_model(tmp_path):
