@@ -23,8 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from make_demo_model import (  # noqa: E402
-    EOS_TOKEN_ID,
-    VOCAB_SIZE,
+    QWEN25_7B_CONFIG,
     generation_config,
     write_json,
     write_tokenizer,
@@ -39,13 +38,9 @@ def tiny_config(layers: int, hidden: int, heads: int, kv_heads: int,
         raise ValueError("hidden must be a multiple of heads")
     if heads % kv_heads:
         raise ValueError("heads must be a multiple of kv_heads")
+    # the demo model's Qwen2.5 config with the small shape swapped in
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "attention_dropout": 0.0,
-        "bos_token_id": EOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "hidden_act": "silu",
+        **QWEN25_7B_CONFIG,
         "hidden_size": hidden,
         "initializer_range": INIT_STD,
         "intermediate_size": intermediate,
@@ -55,15 +50,6 @@ def tiny_config(layers: int, hidden: int, heads: int, kv_heads: int,
         "num_hidden_layers": layers,
         "num_key_value_heads": kv_heads,
         "head_dim": hidden // heads,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "vocab_size": VOCAB_SIZE,
     }
 
 

@@ -1,0 +1,274 @@
+"""The Ion KV tier driven through vLLM 0.26's own scheduler and OffloadingConnector (CPU).
+
+What is real: vLLM's `Scheduler` (v1 core: admission, chunked prefill, KVCacheManager
+block allocation, preemption when the GPU pool runs out, request finishing), built from a
+`VllmConfig` whose kv_transfer_config selects `OffloadingConnector` + `spec_name:
+IonKVTier`; hence vLLM's `OffloadingConnector` / `OffloadingConnectorScheduler` call
+sequence (get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta with
+store/load jobs and jobs_to_flush, update_connector_output, request_finished) on the
+`IonKVTierManager` that `IonKVTierSpec.get_manager()` returns. Requests are vLLM
+`Request`s hashed with vLLM's `get_request_block_hasher`.
+
+What is simulated, and why: the model runner and the worker side. There is no GPU here
+and no model weights, so `FakeWorker` stands in for GPUModelRunner + the worker-side
+OffloadingConnector. It does exactly what those report back to the scheduler, in the
+same order: flushes (`jobs_to_flush`) and loads are applied before the forward, stores
+after it; completed job ids come back as `OffloadingWorkerMetadata.completed_jobs` and
+finished loads as `finished_recving`, inside a `ModelRunnerOutput`. The KV "content" of
+a GPU or host block is the list of token ids it holds: the forward writes each scheduled
+position's token into the request's GPU block, stores copy GPU->host block ids named by
+the job, loads copy host->GPU. Before every forward the harness checks that every
+position the request already counts as computed holds the right token in the GPU block
+the scheduler assigned, so a load that names a wrong host block, a store of the wrong
+GPU block, or a lost/unflushed store makes the test fail. Byte-level copies through the
+ring are covered by tests/test_kv_tier_props.py and test_kv_tier_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from test_registration import TINY_QWEN2  # noqa: E402
+
+BS = 16  # tokens per KV block
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+NEVER = 10**9  # store_lag: a store completes only when the scheduler flushes it
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu(tmp_path_factory):
+    """Force vLLM's platform to CpuPlatform (also where the name is already bound)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    mp.setattr(vllm.platforms, "_current_platform", platform)
+    for name, module in list(sys.modules.items()):
+        if (name.startswith("vllm") and module is not None
+                and "current_platform" in getattr(module, "__dict__", {})):
+            mp.setattr(module, "current_platform", platform)
+    from ion_vllm.kv_tier import register_kv_tier
+
+    register_kv_tier()
+    model = tmp_path_factory.mktemp("tiny-qwen2")
+    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+    yield str(model)
+    mp.undo()
+
+
+class FakeWorker:
+    """Model runner + worker-side connector stand-in (see module docstring)."""
+
+    def __init__(self, store_lag: int):
+        self.store_lag = store_lag
+        self.gpu: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.pending: dict[int, int] = {}  # store job id -> step it completes
+        self.store_jobs: dict[int, object] = {}  # every store job ever issued
+        self.load_jobs: dict[int, object] = {}
+        self.flushed: set[int] = set()
+
+    def _copy(self, src: dict, src_ids, dst: dict, dst_ids) -> None:
+        assert len(src_ids) == len(dst_ids)
+        for s, d in zip(src_ids, dst_ids):
+            assert int(s) in src, f"copy from never-written block {int(s)}"
+            dst[int(d)] = list(src[int(s)])
+
+
+class Engine:
+    """vLLM's Scheduler with the OffloadingConnector(IonKVTier) + FakeWorker."""
+
+    def __init__(self, model_dir, *, gpu_blocks, host_blocks, prefix_caching=False,
+                 store_lag=1, max_num_seqs=4, max_batched=256, extra=None):
+        import torch
+        from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
+                                 SchedulerConfig, VllmConfig)
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                                KVCacheGroupSpec, KVCacheTensor)
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16)
+        self.block_bytes = spec.page_size_bytes * len(LAYERS)  # per KV block, all layers
+        # A budget that is not a multiple of the block size: the pool must round down.
+        budget = host_blocks * self.block_bytes + self.block_bytes - 1
+        extra_cfg = {"spec_name": "IonKVTier", "cpu_bytes_to_use": budget}
+        extra_cfg.update(extra or {})
+        vc = VllmConfig(
+            model_config=ModelConfig(model=model_dir, max_model_len=1024, dtype="bfloat16"),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_batched,
+                                             max_model_len=1024, is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config=extra_cfg),
+        )
+        vc.cache_config.num_gpu_blocks = gpu_blocks
+        kvc = KVCacheConfig(
+            num_blocks=gpu_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * gpu_blocks,
+                                            shared_by=[name]) for name in LAYERS],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kvc,
+                               structured_output_manager=StructuredOutputManager(vc),
+                               block_size=BS)
+        self.conn = self.sched.connector
+        self.cs = self.conn.connector_scheduler
+        self.mgr = self.cs.manager
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BS, sha256)
+        self.worker = FakeWorker(store_lag)
+        self.step_no = 0
+        self.reqs = {}
+        self.job_index: dict[int, list[int]] = {}  # job id -> request block indices
+        self.outputs = []  # (step, SchedulerOutput, metadata)
+        self.matched: list[tuple[str, int, int | None]] = []  # (req, local, external)
+        real = self.conn.get_num_new_matched_tokens
+
+        def spy(request, num_computed_tokens):
+            ext, is_async = real(request, num_computed_tokens)
+            self.matched.append((request.request_id, num_computed_tokens, ext))
+            return ext, is_async
+
+        self.conn.get_num_new_matched_tokens = spy  # the Scheduler calls this attribute
+
+    # ------------------------------------------------------------ requests
+    def add(self, req_id: str, prompt: list[int], max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        req = Request(req_id, list(prompt),
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                      block_hasher=self.hasher)
+        self.sched.add_request(req)
+        self.reqs[req_id] = req
+        return req
+
+    @staticmethod
+    def next_token(req) -> int:
+        # Deterministic "model": the token depends on the request's token history only.
+        return (sum(req.all_token_ids[-3:]) * 31 + req.num_tokens) % 1000 + 1
+
+    def key(self, req, i: int):
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        return make_offload_key(req.block_hashes[i], 0)
+
+    # ------------------------------------------------------------ one engine step
+    def step(self):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata)
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        w = self.worker
+        self.step_no += 1
+        out = self.sched.schedule()
+        meta = out.kv_connector_metadata
+        self.outputs.append((self.step_no, out, meta))
+        for jid in (*meta.store_jobs, *meta.load_jobs):
+            # vLLM's own record of the job's keys (a set) -> block indices, in order.
+            st = self.cs._jobs[jid]
+            req = self.reqs[st.req_id]
+            idx = {self.key(req, i): i for i in range(len(req.block_hashes))}
+            self.job_index[jid] = sorted(idx[k] for k in st.keys)
+        completed: dict[int, int] = {}
+        recving: set[str] = set()
+        w.store_jobs.update(meta.store_jobs)
+        # handle_preemptions: flushed stores are copied (and done) before the forward.
+        for jid in sorted(meta.jobs_to_flush or ()):
+            job = w.store_jobs[jid]
+            if jid in meta.store_jobs:  # issued and flushed in the same step
+                w._copy(w.gpu, job.src_spec.block_ids, w.host, job.dst_spec.block_ids)
+            w.pending.pop(jid, None)
+            w.flushed.add(jid)
+            completed[jid] = 1
+        # start_kv_transfers: loads land before the forward reads the blocks.
+        for jid, job in meta.load_jobs.items():
+            w.load_jobs[jid] = job
+            w._copy(w.host, job.src_spec.block_ids, w.gpu, job.dst_spec.block_ids)
+            completed[jid] = 1
+            recving.add(job.req_id)
+        # forward: check the KV the request attends to, write the new positions.
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            start = end - n
+            bids = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            for p in range(start):
+                got = w.gpu.get(bids[p // BS], [None] * BS)[p % BS]
+                assert got == req.all_token_ids[p], (
+                    f"step {self.step_no}: {rid} position {p} in GPU block "
+                    f"{bids[p // BS]} holds {got}, expected {req.all_token_ids[p]}")
+            for p in range(start, end):
+                w.gpu.setdefault(bids[p // BS], [None] * BS)[p % BS] = req.all_token_ids[p]
+            sampled[rid] = [self.next_token(req)] if end >= req.num_tokens else []
+        # stores of this step cover KV written by this forward: copy after it.
+        for jid, job in meta.store_jobs.items():
+            if jid not in (meta.jobs_to_flush or ()):
+                w._copy(w.gpu, job.src_spec.block_ids, w.host, job.dst_spec.block_ids)
+                w.pending[jid] = self.step_no + w.store_lag - 1
+        for jid, due in list(w.pending.items()):
+            if due <= self.step_no:
+                completed[jid] = 1
+                del w.pending[jid]
+        rids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(
+            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+            sampled_token_ids=[sampled[r] for r in rids],
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=recving or None,
+                kv_connector_worker_meta=(OffloadingWorkerMetadata(completed_jobs=completed)
+                                          if completed else None)))
+        self.sched.update_from_output(out, mro)
+        self.mgr.check_invariants()
+        assert self.mgr.used_bytes <= self.mgr.host_bytes_budget
+        return out, meta
+
+    def run(self, until, max_steps=2000):
+        for _ in range(max_steps):
+            if until():
+                return
+            self.step()
+        raise AssertionError("engine did not reach the expected state")
+
+    def run_to_completion(self, *reqs):
+        self.run(lambda: all(r.is_finished() for r in reqs))
+
+    # ------------------------------------------------------------ job views
+    def store_jobs_of(self, rid):
+        return [(s, jid, job) for s, _, meta in self.outputs
+                for jid, job in meta.store_jobs.items() if job.req_id == rid]
+
+    def load_jobs_of(self, rid):
+        return [(s, jid, job) for s, _, meta in self.outputs
+                for jid, job in meta.load_jobs.items() if job.req_id == rid]
+
+    def host_ids_of(self, rid) -> dict[int, int]:
+        """Block index in request `rid` -> host block id, from vLLM's store jobs."""
+        out = {}
+        for _, jid, job in self.store_jobs_of(rid):
+            idx = self.job_index[jid]
+            assert len(idx) == len(job.dst_spec.block_ids) == len(job.src_spec.block_ids)
+            for i, hid in zip(idx, job.dst_spec.block_ids):
+                out[i] = int(hid)
+        return out
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
