@@ -227,7 +227,20 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     return dp.upload(p)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table):
+    """Refuse, with a reason, every input the kernel does not implement (never a wrong
+    answer or a fault inside the kernel)."""
+    tensors = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
+    if not all(t.is_cuda and t.device == q.device for t in tensors):
+        raise ValueError("IonAttention needs every tensor on the same CUDA device")
+    if not _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        raise RuntimeError("IonAttention needs an sm_90 (Hopper: H100/H200/GH200) GPU; "
+                           f"{torch.cuda.get_device_name(q.device)} is not one")
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"q and out must be [T, Hq, D] of one shape, got {tuple(q.shape)} / {tuple(out.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16) or out.dtype != q.dtype:

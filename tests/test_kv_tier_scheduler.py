@@ -134,6 +134,7 @@ class Engine:
         self.worker = FakeWorker(store_lag)
         self.step_no = 0
         self.reqs = {}
+        self.block_tables: dict[str, list[int]] = {}
         self.job_index: dict[int, list[int]] = {}  # job id -> request block indices
         self.outputs = []  # (step, SchedulerOutput, metadata)
         self.matched: list[tuple[str, int, int | None]] = []  # (req, local, external)
@@ -187,15 +188,20 @@ class Engine:
             self.job_index[jid] = sorted(idx[k] for k in st.keys)
         completed: dict[int, int] = {}
         recving: set[str] = set()
-        w.store_jobs.update(meta.store_jobs)
-        # handle_preemptions: flushed stores are copied (and done) before the forward.
+        for jid, job in meta.store_jobs.items():
+            # A store covers KV written up to and including this step's forward; it
+            # completes store_lag steps later (after that step's forward) or when
+            # vLLM flushes it, whichever comes first.
+            w.store_jobs[jid] = job
+            w.pending[jid] = self.step_no + w.store_lag - 1
+        # handle_preemptions: a flushed store is done (its source read) before the
+        # forward. Other stores read their source blocks lazily, as late as their
+        # completion: vLLM must keep those blocks intact until then.
         for jid in sorted(meta.jobs_to_flush or ()):
-            job = w.store_jobs[jid]
-            if jid in meta.store_jobs:  # issued and flushed in the same step
-                w._copy(w.gpu, job.src_spec.block_ids, w.host, job.dst_spec.block_ids)
-            w.pending.pop(jid, None)
-            w.flushed.add(jid)
-            completed[jid] = 1
+            if jid in w.pending:
+                self._finish_store(jid)
+                w.flushed.add(jid)
+                completed[jid] = 1
         # start_kv_transfers: loads land before the forward reads the blocks.
         for jid, job in meta.load_jobs.items():
             w.load_jobs[jid] = job
@@ -209,6 +215,7 @@ class Engine:
             end = req.num_computed_tokens  # already advanced by schedule()
             start = end - n
             bids = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            self.block_tables[rid] = list(bids)
             for p in range(start):
                 got = w.gpu.get(bids[p // BS], [None] * BS)[p % BS]
                 assert got == req.all_token_ids[p], (
@@ -217,15 +224,10 @@ class Engine:
             for p in range(start, end):
                 w.gpu.setdefault(bids[p // BS], [None] * BS)[p % BS] = req.all_token_ids[p]
             sampled[rid] = [self.next_token(req)] if end >= req.num_tokens else []
-        # stores of this step cover KV written by this forward: copy after it.
-        for jid, job in meta.store_jobs.items():
-            if jid not in (meta.jobs_to_flush or ()):
-                w._copy(w.gpu, job.src_spec.block_ids, w.host, job.dst_spec.block_ids)
-                w.pending[jid] = self.step_no + w.store_lag - 1
-        for jid, due in list(w.pending.items()):
+        for jid, due in sorted(w.pending.items()):
             if due <= self.step_no:
+                self._finish_store(jid)
                 completed[jid] = 1
-                del w.pending[jid]
         rids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
@@ -238,6 +240,12 @@ class Engine:
         self.mgr.check_invariants()
         assert self.mgr.used_bytes <= self.mgr.host_bytes_budget
         return out, meta
+
+    def _finish_store(self, jid):
+        w = self.worker
+        job = w.store_jobs[jid]
+        w._copy(w.gpu, job.src_spec.block_ids, w.host, job.dst_spec.block_ids)
+        del w.pending[jid]
 
     def run(self, until, max_steps=2000):
         for _ in range(max_steps):
@@ -272,3 +280,121 @@ class Engine:
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("prompt_only", [False, True], ids=["ion-default", "prompt-only"])
+def test_decode_blocks_stored_and_hit_by_follow_up(vllm_cpu, prompt_only):
+    """(1) a block filled while decoding gets a store job in the step that fills it;
+    (2) after the request finishes, a request whose prompt is its prompt + generated
+    tokens matches every stored block and loads them from the right host blocks.
+    The prompt-only control (vLLM's default) shows the same run without decode stores."""
+    extra = {"offload_prompt_only": True} if prompt_only else None
+    eng = Engine(vllm_cpu, gpu_blocks=64, host_blocks=32, extra=extra)
+    assert eng.cs.config.offload_prompt_only is prompt_only
+    a = eng.add("a", _prompt(1, 40), max_tokens=30)  # blocks 0,1 prompt; 2 mixed; 3 decode
+    eng.run_to_completion(a)
+    assert a.num_tokens == 70 and a.num_output_tokens == 30
+
+    jobs = eng.store_jobs_of("a")
+    step_of = {i: s for s, jid, _ in jobs for i in eng.job_index[jid]}
+    stored = sorted(step_of)
+    # Step 1 prefills 40 tokens; step k >= 2 computes position 38 + k, so position 47
+    # (end of block 2) is computed in step 9 and position 63 (end of block 3) in step 25.
+    if prompt_only:
+        assert step_of == {0: 1, 1: 1}
+    else:
+        assert step_of == {0: 1, 1: 1, 2: 9, 3: 25}
+    hosts = eng.host_ids_of("a")
+    assert sorted(hosts) == stored and len(set(hosts.values())) == len(hosts)
+    for i, hid in hosts.items():  # the right GPU block went to the host block
+        assert eng.worker.host[hid] == a.all_token_ids[i * BS:(i + 1) * BS]
+
+    # (2) prompt = a's prompt + generated tokens + 10 new ones.
+    b_prompt = list(a.all_token_ids) + _prompt(2, 10)
+    b = eng.add("b", b_prompt, max_tokens=3)
+    eng.run_to_completion(b)
+    assert [m for m in eng.matched if m[0] == "b"] == [("b", 0, BS * len(stored))]
+    (_, ljid, load), = eng.load_jobs_of("b")
+    assert eng.job_index[ljid] == stored
+    assert [int(x) for x in load.src_spec.block_ids] == [hosts[i] for i in stored]
+    assert [int(x) for x in load.dst_spec.block_ids] == eng.block_tables["b"][:len(stored)]
+    # b stores only what the tier did not have (its full blocks are 0..4 of 83 tokens)
+    b_stored = sorted(i for _, jid, _ in eng.store_jobs_of("b") for i in eng.job_index[jid])
+    assert b_stored == list(range(len(stored), 5))
+    assert eng.mgr.counters.loaded_blocks == len(stored)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-apc", "apc"])
+def test_preempted_request_is_flushed_and_restored(vllm_cpu, prefix_caching):
+    """(3) two requests outgrow a 9-block GPU pool, vLLM preempts one; its in-flight
+    stores (which never complete on their own here) are flushed in the preemption step,
+    and on readmission its prompt and decode blocks come back from the host tier."""
+    eng = Engine(vllm_cpu, gpu_blocks=10, host_blocks=64, store_lag=NEVER,
+                 prefix_caching=prefix_caching, max_num_seqs=2)
+    r1 = eng.add("r1", _prompt(3, 48), max_tokens=60)
+    r2 = eng.add("r2", _prompt(4, 48), max_tokens=60)
+    eng.run(lambda: r2.num_preemptions > 0)
+    step, out, meta = eng.outputs[-1]
+    assert out.preempted_req_ids == {"r2"}
+    r2_jobs = {jid for _, jid, _ in eng.store_jobs_of("r2")}
+    stored = sorted(i for jid in r2_jobs for i in eng.job_index[jid])
+    assert stored == [0, 1, 2, 3]  # 3 prompt blocks + decode block 3 (positions 48..63)
+    assert r2_jobs <= meta.jobs_to_flush
+    assert r2_jobs <= eng.worker.flushed and not r2_jobs & set(eng.worker.pending)
+    hosts = eng.host_ids_of("r2")
+
+    eng.run_to_completion(r1, r2)
+    assert r2.num_output_tokens == 60
+    readmit = [m for m in eng.matched if m[0] == "r2"][-1]
+    assert readmit[1] + readmit[2] == 4 * BS
+    loads = eng.load_jobs_of("r2")
+    if not prefix_caching:
+        assert readmit == ("r2", 0, 4 * BS)
+        (_, ljid, load), = loads
+        assert eng.job_index[ljid] == [0, 1, 2, 3]
+        assert [int(x) for x in load.src_spec.block_ids] == [hosts[i] for i in range(4)]
+        assert [int(x) for x in load.dst_spec.block_ids] == eng.block_tables["r2"][:4]
+    # r1's stores never completed by themselves either: vLLM flushed them when r2 was
+    # given r1's freed blocks, otherwise they would still be pending.
+    assert not eng.worker.pending or all(
+        eng.cs._jobs.get(j) is not None for j in eng.worker.pending)
+
+
+def test_host_budget_evicts_lru_blocks(vllm_cpu):
+    """(4) a 6-block host pool (budget not a block multiple): the blocks that were
+    least recently used are evicted, tail of a sequence first, and exactly those miss."""
+    eng = Engine(vllm_cpu, gpu_blocks=64, host_blocks=6, store_lag=1)
+    assert eng.mgr.num_host_blocks == 6
+    a = eng.add("a", _prompt(5, 4 * BS), max_tokens=1)
+    eng.run_to_completion(a)
+    c = eng.add("c", _prompt(6, 2 * BS), max_tokens=1)
+    eng.run_to_completion(c)
+    assert eng.mgr.used_blocks == 6 and eng.mgr.counters.evicted_blocks == 0
+    # a's prompt again: a full hit that makes a's blocks the most recently used
+    a2 = eng.add("a2", list(a.prompt_token_ids), max_tokens=1)
+    eng.run_to_completion(a2)
+    assert [m for m in eng.matched if m[0] == "a2"] == [("a2", 0, 4 * BS)]
+    eng.run(lambda: not eng.cs._jobs)  # let every transfer report back
+
+    d = eng.add("d", _prompt(7, 3 * BS), max_tokens=1)  # needs 3 blocks, 0 free
+    eng.run_to_completion(d)
+    eng.run(lambda: not eng.cs._jobs)
+    assert eng.mgr.counters.evicted_blocks == 3
+    keys = {("a", i): eng.key(a, i) for i in range(4)}
+    keys.update({("c", i): eng.key(c, i) for i in range(2)})
+    keys.update({("d", i): eng.key(d, i) for i in range(3)})
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    ctx = ReqContext(req_id="probe", kv_transfer_params=None)
+    missing = {n for n, k in keys.items() if eng.mgr.lookup(k, ctx) == LookupResult.MISS}
+    assert missing == {("c", 0), ("c", 1), ("a", 3)}
+    freed = {eng.host_ids_of("c")[0], eng.host_ids_of("c")[1], eng.host_ids_of("a")[3]}
+    assert set(eng.host_ids_of("d").values()) == freed
+    assert eng.mgr.used_bytes == 6 * eng.block_bytes <= eng.mgr.host_bytes_budget
+
+    # Through the scheduler: a's prefix still hits its first 3 blocks, c misses.
+    e = eng.add("e", list(a.prompt_token_ids) + _prompt(8, 5), max_tokens=1)
+    f = eng.add("f", list(c.prompt_token_ids) + _prompt(9, 5), max_tokens=1)
+    eng.run_to_completion(e, f)
+    assert [m for m in eng.matched if m[0] in "ef"] == [("e", 0, 3 * BS), ("f", 0, 0)]

@@ -14,7 +14,10 @@ LRU: ``_lru`` holds exactly the idle blocks, least recently used first.  A
 block becomes most recently used when its store completes, when its last load
 completes and when it is touched.  ``touch(keys)`` walks the keys backwards, so
 the first block of a sequence ends up the most recent one: a request's tail is
-evicted before its prefix, which keeps a prefix hit useful.
+evicted before its prefix, which keeps a prefix hit useful.  vLLM's scheduler
+hands ``complete_store``/``complete_load`` an unordered ``set`` of keys, so
+blocks that become idle together are queued by their store order (``seq``,
+assigned in ``prepare_store``), latest first: the same tail-first order.
 
 Back-off: at most ``max_inflight_blocks`` blocks may be prepared but not yet
 completed (the writeback window, sized from the worker's HBM staging ring).
@@ -49,11 +52,12 @@ class IonHostSpec(BlockIDsLoadStoreSpec):
 
 
 class _Entry:
-    __slots__ = ("block_id", "ref")
+    __slots__ = ("block_id", "ref", "seq")
 
-    def __init__(self, block_id: int):
+    def __init__(self, block_id: int, seq: int = 0):
         self.block_id = block_id
         self.ref = -1
+        self.seq = seq  # prepare_store order (sequence position within a job)
 
     @property
     def ready(self) -> bool:
@@ -85,6 +89,7 @@ class IonKVTierManager(OffloadingManager):
         self._free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self._free_sorted = True
         self._inflight = 0
+        self._seq = 0
         self.counters = ManagerCounters()
         self._reported = self.counters.snapshot()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -116,6 +121,12 @@ class IonKVTierManager(OffloadingManager):
     def _give_free(self, block_id: int) -> None:
         self._free.append(block_id)
         self._free_sorted = False
+
+    def _make_idle(self, keys: list[OffloadKey]) -> None:
+        """Append keys that just became idle to the LRU, latest-stored first, so
+        a sequence's prefix ends up more recent than its tail."""
+        for key in sorted(keys, key=lambda k: self._entries[k].seq, reverse=True):
+            self._lru[key] = None
 
     def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
         if self._events is not None and keys:
@@ -153,12 +164,14 @@ class IonKVTierManager(OffloadingManager):
                 self._lru.move_to_end(key)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        idle: list[OffloadKey] = []
         for key in keys:
             e = self._entries.get(key)
             assert e is not None and e.ref > 0, f"block {key!r} was not being loaded"
             e.ref -= 1
             if e.ref == 0:
-                self._lru[key] = None
+                idle.append(key)
+        self._make_idle(idle)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -197,7 +210,8 @@ class IonKVTierManager(OffloadingManager):
 
         ids = self._take_free(len(wanted))
         for k, b in zip(wanted, ids):
-            self._entries[k] = _Entry(b)
+            self._entries[k] = _Entry(b, self._seq)
+            self._seq += 1
         self._inflight += len(wanted)
         self.counters.stored_blocks += len(wanted)
         return PrepareStoreOutput(
@@ -215,13 +229,13 @@ class IonKVTierManager(OffloadingManager):
             self._inflight -= 1
             if success:
                 e.ref = 0
-                self._lru[key] = None
                 done.append(key)
                 self.counters.completed_store_blocks += 1
             else:
                 del self._entries[key]
                 self._give_free(e.block_id)
                 self.counters.failed_store_blocks += 1
+        self._make_idle(done)
         self._emit(done, removed=False)
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -12,6 +12,7 @@ them (after ``wait`` for flushed stores, right away for blocks not stored).
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ def run_random_ops(
     m_pending: set[int] = set()
     m_ref: dict[int, int] = {}  # ready keys -> ref count
     m_lru: OrderedDict[int, None] = OrderedDict()
+    m_seq: dict[int, int] = {}  # key id -> order of its (latest) prepare_store
+    seq_ctr = itertools.count()
     gpu_free = list(range(num_gpu_blocks))
     rng.shuffle(gpu_free)
     stores: dict[int, tuple[list[int], list[int], bool]] = {}  # job -> keys, gpu, flushed
@@ -159,7 +162,7 @@ def run_random_ops(
             if r.job_id in stores:
                 keys, gpu, flushed = stores.pop(r.job_id)
                 mgr.complete_store([key_of(k) for k in keys], CTX)
-                for k in keys:
+                for k in sorted(keys, key=m_seq.__getitem__, reverse=True):
                     m_pending.discard(k)
                     m_ref[k] = 0
                     m_lru[k] = None
@@ -174,6 +177,7 @@ def run_random_ops(
                 mgr.complete_load([key_of(k) for k in keys], CTX)
                 for k in keys:
                     m_ref[k] -= 1
+                for k in sorted(set(keys), key=m_seq.__getitem__, reverse=True):
                     if m_ref[k] == 0:
                         m_lru[k] = None
                 free_gpu(gpu)
@@ -218,6 +222,8 @@ def run_random_ops(
             del m_lru[k]
             del m_ref[k]
         stored = [kid(k) for k in out.keys_to_store]
+        for k in stored:
+            m_seq[k] = next(seq_ctr)
         exp_store = new[: len(new) - max(0, need - len(exp_evict))]
         if stored != exp_store:
             raise AssertionError(f"stored {stored}, expected {exp_store}")
