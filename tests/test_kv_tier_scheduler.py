@@ -355,10 +355,11 @@ def test_preempted_request_is_flushed_and_restored(vllm_cpu, prefix_caching):
         assert eng.job_index[ljid] == [0, 1, 2, 3]
         assert [int(x) for x in load.src_spec.block_ids] == [hosts[i] for i in range(4)]
         assert [int(x) for x in load.dst_spec.block_ids] == eng.block_tables["r2"][:4]
-    # r1's stores never completed by themselves either: vLLM flushed them when r2 was
-    # given r1's freed blocks, otherwise they would still be pending.
-    assert not eng.worker.pending or all(
-        eng.cs._jobs.get(j) is not None for j in eng.worker.pending)
+    # r1's stores never complete by themselves either: once r1 finished, vLLM flushed
+    # those whose GPU blocks it handed to r2 (request_finished -> jobs_to_flush).
+    r1_jobs = {jid for _, jid, _ in eng.store_jobs_of("r1")}
+    assert r1_jobs & eng.worker.flushed
+    assert set(eng.worker.pending) == set(eng.cs._jobs) - set(eng.worker.load_jobs)
 
 
 def test_host_budget_evicts_lru_blocks(vllm_cpu):
