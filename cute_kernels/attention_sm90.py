@@ -12,17 +12,21 @@ CTA layout (256 threads, two warpgroups):
   * warpgroup 0 -- producer.  Warp 0 issues TMA (``cp.async.bulk.tensor``) loads: the packed Q
     box (Gp heads x tokens_per_tile tokens x D) and, per KV page, one K box and one V box
     (``page x D``: one page of one KV head is exactly one TMA box in the ION HND layout).
-    Loads complete on mbarriers of a multi-stage shared-memory pipeline.
+    Loads complete on mbarriers of three shared-memory pipelines (Q, K and V, two stages
+    each), so the producer runs up to two pages ahead of the math.
   * warpgroup 1 -- consumer.  S = Q K^T on wgmma (A and B from shared memory), online softmax
     in fp32 registers (exp2, causal / length masking on boundary pages only), P converted to
     16-bit in registers and O += P V on wgmma (A from registers, B = V from shared memory),
-    then O / l stored to global memory for the valid rows.
+    then O / l stored to global memory for the valid rows.  Software pipelined: S_{j+1} is
+    issued before O += P_j V_j, and the softmax of S_{j+1} runs while that PV is on the tensor
+    cores; O is rescaled once the PV has retired.
+Two CTAs share an SM (``setmaxnreg`` 24 / 232), so one CTA's softmax also hides behind the
+other's MMAs.
 Split-KV items (work col 7 > 1, ``partial_offsets[item] >= 0``) write their O / l in fp32 and
 their log2-sum-exp to a workspace instead; ``combine_sm90.py`` merges the splits exactly.
 """
 
 from __future__ import annotations
-
 
 import cutlass
 import cutlass.cute as cute
