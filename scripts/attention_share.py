@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Attention share of GPU step time, ION vs FLASH_ATTN, from vLLM's own torch profiler.
+
+For each backend in ``--backends`` (one fresh subprocess each) this runs vLLM offline on a
+dummy-weight model with random, seeded, all-distinct prompts: a short warm-up generate, the
+timed full workload (``--num-prompts`` x ``--input-len``/``--output-len``, unprofiled), then
+one generate of ``--profile-prompts`` further prompts between ``LLM.start_profile()`` and
+``stop_profile()`` (``profiler_config`` profiler="torch"), so the trace holds chunked-prefill
+and decode steps.  The parent parses the worker's Chrome trace(s) (``*.pt.trace.json[.gz]``,
+events with ``cat == "kernel"``) into total kernel time, time per category (attention /
+gemm / other), the attention share and the top-10 kernels, and predicts each backend's
+step-time ratio to ``--baseline`` from the baseline's attention share a_B and the attention
+times t_X, t_B:  predicted X/B = (1 - a_B) + a_B * t_X / t_B  (non-attention work unchanged),
+next to the measured GPU-kernel-time ratio and the unprofiled wall-time ratio.
+
+  python3 scripts/make_demo_model.py /tmp/demo
+  python3 scripts/attention_share.py --model /tmp/demo
+  python3 scripts/attention_share.py --parse-only --out bench/results/attention-share-X
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+ATTN_PATTERNS = {  # backend -> kernels that are its attention (cache write + attention + combine)
+    "ION": r"IonAttentionSm90|CombineSm90|KVAppendKernel|(?i:append)",
+    "FLASH_ATTN": r"flash_fwd|FlashAttn|flash::|reshape_and_cache",
+}
+GENERIC_ATTN = "|".join(ATTN_PATTERNS.values())
+GEMM_PATTERN = r"(?i)gemm|sm90_xmma|nvjet|cutlass.*gemm|cublas"
+CATEGORIES = ("attention", "gemm", "other")
+
+
+# ----------------------------------------------------------------------------- pure parsing
+def load_trace(path: str) -> dict:
+    """A Chrome trace (plain or gzipped JSON) as a dict with a ``traceEvents`` list."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return {"traceEvents": data} if isinstance(data, list) else data
+
+
+def kernel_events(trace: dict) -> list[tuple[str, float]]:
+    """(name, duration in us) of every complete GPU kernel event (``cat == "kernel"``)."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        if ev.get("cat") == "kernel" and ev.get("ph", "X") == "X" and "dur" in ev:
+            out.append((str(ev.get("name", "")), float(ev["dur"])))
+    return out
+
+
+def attn_regex(backend: str, overrides: dict[str, str] | None = None) -> str:
+    """Attention regex for ``backend``: an override (key backend or ``*``), else the default."""
+    overrides = overrides or {}
+    if backend in overrides:
+        return overrides[backend]
+    if "*" in overrides:
+        return overrides["*"]
+    return ATTN_PATTERNS.get(backend.upper(), GENERIC_ATTN)
+
+
+def classify(name: str, attn_pattern: str) -> str:
+    """'attention' if ``name`` matches ``attn_pattern``, else 'gemm' if a GEMM, else 'other'."""
+    if re.search(attn_pattern, name):
+        return "attention"
+    if re.search(GEMM_PATTERN, name):
+        return "gemm"
+    return "other"
+
+
+def aggregate(kernels: list[tuple[str, float]], attn_pattern: str, top: int = 10) -> dict:
+    """Total kernel time, time/share per category and the ``top`` kernels by total time."""
+    per_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, dur in kernels:
+        per_name[name][0] += dur
+        per_name[name][1] += 1
+    cat_us = {c: 0.0 for c in CATEGORIES}
+    cat_of = {}
+    for name, (us, _) in per_name.items():
+        cat_of[name] = classify(name, attn_pattern)
+        cat_us[cat_of[name]] += us
+    total = sum(cat_us.values())
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "attn_pattern": attn_pattern,
+        "num_kernels": len(kernels),
+        "total_us": total,
+        "category_us": cat_us,
+        "share": {c: (cat_us[c] / total if total else 0.0) for c in CATEGORIES},
+        "attention_share": cat_us["attention"] / total if total else 0.0,
+        "top_kernels": [{"name": n, "category": cat_of[n], "us": us, "count": cnt,
+                         "share": us / total if total else 0.0}
+                        for n, (us, cnt) in ranked],
+    }
+
+
+def predicted_ratio(baseline_attn_share: float, t_attn: float, t_attn_baseline: float) -> float:
+    """Step-time ratio X/B if only attention changes: (1 - a_B) + a_B * t_X / t_B."""
+    if t_attn_baseline <= 0:
+        raise ValueError("baseline attention time must be positive")
+    return (1.0 - baseline_attn_share) + baseline_attn_share * t_attn / t_attn_baseline
+
+
+def find_traces(trace_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(trace_dir, "**", "*.pt.trace.json*"), recursive=True))
+
+
+def analyze_backend(backend: str, trace_dir: str, overrides=None) -> dict:
+    """Aggregate the kernel events of all traces in ``trace_dir`` (one per worker rank)."""
+    paths = find_traces(trace_dir)
+    if not paths:
+        raise FileNotFoundError(f"no *.pt.trace.json[.gz] under {trace_dir}")
+    kernels = [k for p in paths for k in kernel_events(load_trace(p))]
+    res = aggregate(kernels, attn_regex(backend, overrides))
+    res["traces"] = [os.path.relpath(p, trace_dir) for p in paths]
+    return res
+
+
+def compare(results: dict[str, dict], baseline: str) -> dict[str, dict]:
+    """Per backend: measured GPU-kernel-time ratio, predicted ratio, wall ratio vs baseline."""
+    base = results.get(baseline)
+    if not base or not base.get("category_us", {}).get("attention"):
+        return {}
+    out = {}
+    for name, r in results.items():
+        if "total_us" not in r:
+            continue
+        row = {"measured_gpu_ratio": r["total_us"] / base["total_us"],
+               "attention_time_ratio": r["category_us"]["attention"] / base["category_us"]["attention"],
+               "predicted_ratio": predicted_ratio(base["attention_share"],
+                                                  r["category_us"]["attention"],
+                                                  base["category_us"]["attention"])}
+        for key in ("timed_wall_s", "profiled_wall_s"):
+            if r.get(key) and base.get(key):
+                row[key.replace("_s", "_ratio")] = r[key] / base[key]
+        out[name] = row
+    return out
+
+
+def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
+    ms = lambda us: f"{us / 1e3:.1f}"  # noqa: E731
+    lines = [f"# Attention share of GPU time ({meta['date']})", "",
+             f"Workload: {json.dumps(meta['workload'])}; baseline {meta['baseline']}.", "",
+             "| backend | GPU kernel ms | attention ms | gemm ms | other ms | attention share "
+             "| measured GPU ratio | predicted ratio | wall ratio (timed run) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "total_us" not in r:
+            lines.append(f"| {name} | failed: {r.get('error', '?')} | | | | | | | |")
+            continue
+        c, q = r["category_us"], ratios.get(name, {})
+        f = lambda k: f"{q[k]:.3f}" if k in q else "-"  # noqa: E731
+        lines.append(f"| {name} | {ms(r['total_us'])} | {ms(c['attention'])} | {ms(c['gemm'])} "
+                     f"| {ms(c['other'])} | {r['attention_share']:.1%} | {f('measured_gpu_ratio')} "
+                     f"| {f('predicted_ratio')} | {f('timed_wall_ratio')} |")
+    lines += ["", "Predicted X/B = (1 - a_B) + a_B * t_X / t_B, a_B = baseline attention share."]
+    for name, r in results.items():
+        if "top_kernels" not in r:
+            continue
+        lines += ["", f"## {name}: top kernels (attention = /{r['attn_pattern']}/)", "",
+                  "| kernel | category | ms | calls | share |", "|---|---|---|---|---|"]
+        lines += [f"| `{k['name'][:110]}` | {k['category']} | {ms(k['us'])} | {k['count']} "
+                  f"| {k['share']:.1%} |" for k in r["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- vLLM side
+def engine_kwargs(cfg: dict, trace_dir: str) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (also valid for ``vllm.engine.arg_utils.EngineArgs``)."""
+    from vllm.config.profiler import ProfilerConfig
+    kw = dict(model=cfg["model"], load_format="dummy", attention_backend=cfg["backend"],
+              seed=cfg["seed"], max_model_len=cfg["input_len"] + cfg["output_len"],
+              max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["enforce_eager"],
+              gpu_memory_utilization=cfg["gpu_memory_utilization"],
+              profiler_config=ProfilerConfig(
+                  profiler="torch", torch_profiler_dir=trace_dir,
+                  torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False))
+    if cfg.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+    return kw
+
+
+def vocab_size(model: str, default: int = 32000) -> int:
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, KeyError, ValueError):
+        return default
+
+
+def child(cfg: dict) -> dict:
+    import random
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.makedirs(cfg["trace_dir"], exist_ok=True)
+    llm = LLM(**engine_kwargs(cfg, cfg["trace_dir"]))
+    rng, vocab = random.Random(cfg["seed"]), vocab_size(cfg["model"])
+    prompts = lambda n: [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab)  # noqa: E731
+                                                        for _ in range(cfg["input_len"])])
+                         for _ in range(n)]
+    sp = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
+    llm.generate(prompts(min(cfg["num_prompts"], cfg["max_num_seqs"])), sp(16), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts(cfg["num_prompts"]), sp(cfg["output_len"]), use_tqdm=False)
+    timed = time.perf_counter() - t0
+    batch = prompts(cfg["profile_prompts"])
+    llm.start_profile(profile_prefix=cfg["backend"])
+    t0 = time.perf_counter()
+    llm.generate(batch, sp(cfg["output_len"]), use_tqdm=False)
+    profiled = time.perf_counter() - t0
+    llm.stop_profile()
+    return {"timed_wall_s": timed, "profiled_wall_s": profiled}
+
+
+def run_backend(args, backend: str, trace_dir: str) -> dict:
+    cfg = dict(backend=backend, trace_dir=os.path.abspath(trace_dir), model=args.model,
+               seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+               num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
+               profile_prompts=args.profile_prompts, enforce_eager=args.enforce_eager,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               max_num_batched_tokens=args.max_num_batched_tokens)
+    res_file = os.path.join(trace_dir, "child_result.json")
+    os.makedirs(trace_dir, exist_ok=True)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg),
+                           "--child-out", res_file], timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.exists(res_file):
+        raise RuntimeError(f"{backend} child exited with {proc.returncode}")
+    with open(res_file) as f:
+        return json.load(f)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model dir (e.g. from scripts/make_demo_model.py)")
+    p.add_argument("--backends", default="ION,FLASH_ATTN")
+    p.add_argument("--baseline", default="FLASH_ATTN", help="backend the prediction is against")
+    p.add_argument("--input-len", type=int, default=7680)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--profile-prompts", type=int, default=32,
+                   help="prompts in the profiled generate (after warm-up and timed run)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn-pattern", action="append", default=[], metavar="[BACKEND=]REGEX",
+                   help="attention-kernel regex for BACKEND (or for all); repeatable")
+    p.add_argument("--out", default=None, help="default bench/results/attention-share-<date>")
+    p.add_argument("--parse-only", action="store_true",
+                   help="do not run vLLM; re-analyse OUT/traces/<backend>/")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per backend")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.child and not args.parse_only and not args.model:
+        p.error("--model is required unless --parse-only")
+    return args
+
+
+def pattern_overrides(specs: list[str]) -> dict[str, str]:
+    out = {}
+    for s in specs:
+        key, sep, rx = s.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z0-9_]+", key):
+            out[key] = rx
+        else:
+            out["*"] = s
+    for rx in out.values():
+        re.compile(rx)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        res = child(json.loads(args.child))
+        with open(args.child_out, "w") as f:
+            json.dump(res, f)
+        return 0
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join("bench", "results", f"attention-share-{date}")
+    overrides = pattern_overrides(args.attn_pattern)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results, failed = {}, False
+    for b in backends:
+        tdir = os.path.join(out, "traces", b)
+        try:
+            if not args.parse_only:
+                for old in find_traces(tdir):
+                    os.remove(old)
+                timing = run_backend(args, b, tdir)
+            else:
+                cr = os.path.join(tdir, "child_result.json")
+                timing = json.load(open(cr)) if os.path.exists(cr) else {}
+            results[b] = {**analyze_backend(b, tdir, overrides), **timing}
+        except Exception as e:  # keep the other backends' results
+            failed, results[b] = True, {"error": f"{type(e).__name__}: {e}"}
+            print(f"[attention_share] {b} failed: {e}", file=sys.stderr)
+    ratios = compare(results, args.baseline)
+    meta = {"date": date, "baseline": args.baseline, "workload": {
+        k: getattr(args, k) for k in ("model", "input_len", "output_len", "num_prompts",
+                                      "max_num_seqs", "profile_prompts", "enforce_eager", "seed")}}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "attention_share.json"), "w") as f:
+        json.dump({"meta": meta, "results": results, "ratios": ratios}, f, indent=1)
+    with open(os.path.join(out, "attention_share.md"), "w") as f:
+        f.write(render_markdown(meta, results, ratios))
+    print(f"\nwrote {out}/attention_share.{{json,md}}")
+    print(f"{'backend':<12}{'GPU ms':>10}{'attn ms':>10}{'share':>8}{'meas':>8}{'pred':>8}{'wall':>8}")
+    for b, r in results.items():
+        if "total_us" not in r:
+            print(f"{b:<12} FAILED {r['error']}")
+            continue
+        q = ratios.get(b, {})
+        g = lambda k: f"{q[k]:8.3f}" if k in q else f"{'-':>8}"  # noqa: E731
+        print(f"{b:<12}{r['total_us'] / 1e3:10.1f}{r['category_us']['attention'] / 1e3:10.1f}"
+              f"{r['attention_share']:8.1%}{g('measured_gpu_ratio')}{g('predicted_ratio')}"
+              f"{g('timed_wall_ratio')}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""CPU tests of scripts/attention_share.py: trace parsing, classification, share math, report."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import attention_share as A  # noqa: E402
+
+ION_KERNELS = {  # name -> (category, duration us per call)
+    "kernel_cutlass_kernel_cute_kernelsappend_sm90KVAppendKernel_object_at__0": "attention",
+    "kernel_cutlass_kernel_cute_kernelsattention_sm90IonAttentionSm90_object_at__1": "attention",
+    "kernel_cutlass_kernel_cute_kernelscombine_sm90CombineSm90_object_at__2": "attention",
+    "kv_append_paged": "attention",
+}
+FA_KERNELS = {
+    "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128> >(Flash_fwd_params)": "attention",
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<X>>>": "attention",
+    "void flash::FlashAttnFwdCombine<cute::tuple<>, 7, 256, 64, false>(Params)": "attention",
+    "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, 0>(...)": "attention",
+}
+OTHER_KERNELS = {
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+    "nvjet_tst_128x192_64x4_1x2_h_bz_coopA_NTN": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float>": "gemm",
+    "void vllm::rms_norm_kernel<c10::BFloat16, 8, 4>(...)": "other",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    "triton_poi_fused_mul_silu_0": "other",
+}
+
+
+@pytest.mark.parametrize("name,cat", list(ION_KERNELS.items()) + list(OTHER_KERNELS.items()))
+def test_classify_ion(name, cat):
+    assert A.classify(name, A.attn_regex("ION")) == cat
+
+
+@pytest.mark.parametrize("name,cat", list(FA_KERNELS.items()) + list(OTHER_KERNELS.items()))
+def test_classify_flash_attn(name, cat):
+    assert A.classify(name, A.attn_regex("FLASH_ATTN")) == cat
+
+
+def test_backend_patterns_are_specific_and_overridable():
+    # FA's kernels are not ION's attention and vice versa; unknown backends get the union.
+    fa = next(iter(FA_KERNELS))
+    ion = next(iter(ION_KERNELS))
+    assert A.classify(fa, A.attn_regex("ION")) == "other"
+    assert A.classify(ion, A.attn_regex("FLASH_ATTN")) == "other"
+    assert A.classify(fa, A.attn_regex("TRITON_ATTN")) == "attention"
+    ov = A.pattern_overrides(["ION=IonAttentionSm90", "rms_norm"])
+    assert ov == {"ION": "IonAttentionSm90", "*": "rms_norm"}
+    assert A.attn_regex("ION", ov) == "IonAttentionSm90"
+    assert A.attn_regex("FLASH_ATTN", ov) == "rms_norm"
+    assert A.classify(next(iter(ION_KERNELS)), A.attn_regex("ION", ov)) == "other"
+    with pytest.raises(Exception):
+        A.pattern_overrides(["ION=("])
+
+
+def _write_trace(path, kernels, wrap=True):
+    """kernels: list of (name, dur). Adds non-kernel events that must be ignored."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9999},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 777},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 0, "dur": 555},
+              {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 1, "id": 3},
+              {"ph": "M", "name": "process_name", "args": {"name": "python"}}]
+    ts = 10.0
+    for name, dur in kernels:
+        events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7,
+                       "ts": ts, "dur": dur, "args": {"device": 0, "stream": 7}})
+        ts += dur + 1
+    data = {"schemaVersion": 1, "traceEvents": events} if wrap else events
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt") as f:
+        json.dump(data, f)
+
+
+FA_RUN = [("void flash::flash_fwd_kernel<T>(P)", 30.0)] * 4 + \
+         [("void vllm::reshape_and_cache_flash_kernel<bf16>", 5.0)] * 4 + \
+         [("nvjet_tst_128x192", 50.0)] * 4 + [("void vllm::rms_norm_kernel<bf16>", 10.0)] * 4
+ION_RUN = [("kernel_IonAttentionSm90_0", 15.0)] * 4 + [("kernel_KVAppendKernel_0", 2.0)] * 4 + \
+          [("kernel_CombineSm90_0", 1.5)] * 4 + \
+          [("nvjet_tst_128x192", 50.0)] * 4 + [("void vllm::rms_norm_kernel<bf16>", 10.0)] * 4
+
+
+@pytest.mark.parametrize("fname,wrap", [("w.pt.trace.json.gz", True), ("w.pt.trace.json", True),
+                                        ("w.pt.trace.json", False)])
+def test_load_and_kernel_events(tmp_path, fname, wrap):
+    p = tmp_path / fname
+    _write_trace(p, FA_RUN, wrap=wrap)
+    ks = A.kernel_events(A.load_trace(str(p)))
+    assert len(ks) == len(FA_RUN)
+    assert sum(d for _, d in ks) == pytest.approx(4 * (30 + 5 + 50 + 10))
+
+
+def test_aggregate_shares_and_top():
+    r = A.aggregate(FA_RUN, A.attn_regex("FLASH_ATTN"), top=3)
+    assert r["total_us"] == pytest.approx(380.0)
+    assert r["category_us"] == pytest.approx({"attention": 140.0, "gemm": 200.0, "other": 40.0})
+    assert r["attention_share"] == pytest.approx(140 / 380)
+    assert sum(r["share"].values()) == pytest.approx(1.0)
+    assert [k["name"] for k in r["top_kernels"]] == [
+        "nvjet_tst_128x192", "void flash::flash_fwd_kernel<T>(P)", "void vllm::rms_norm_kernel<bf16>"]
+    assert r["top_kernels"][0]["count"] == 4 and r["top_kernels"][0]["us"] == 200.0
+    assert A.aggregate([], "x")["attention_share"] == 0.0
+
+
+def test_predicted_ratio_formula():
+    assert A.predicted_ratio(0.5, 1.0, 2.0) == pytest.approx(0.75)
+    assert A.predicted_ratio(0.3, 7.0, 7.0) == pytest.approx(1.0)
+    assert A.predicted_ratio(0.0, 1.0, 9.0) == pytest.approx(1.0)
+    assert A.predicted_ratio(1.0, 3.0, 4.0) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        A.predicted_ratio(0.5, 1.0, 0.0)
+
+
+def _make_traces(out, with_timing=True):
+    for b, run, wall in (("ION", ION_RUN, 80.0), ("FLASH_ATTN", FA_RUN, 100.0)):
+        d = out / "traces" / b
+        d.mkdir(parents=True)
+        half = len(run) // 2  # two worker traces, one gzipped: both are aggregated
+        _write_trace(d / f"{b}_dp0_pp0_tp0.1.pt.trace.json.gz", run[:half])
+        _write_trace(d / f"{b}_dp0_pp0_tp1.2.pt.trace.json", run[half:])
+        if with_timing:
+            (d / "child_result.json").write_text(json.dumps({"timed_wall_s": wall,
+                                                             "profiled_wall_s": wall * 2}))
+
+
+def test_compare_and_main_parse_only(tmp_path, capsys):
+    _make_traces(tmp_path)
+    assert A.main(["--parse-only", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "attention_share.json").read_text())
+    res, ratios = data["results"], data["ratios"]
+    assert res["ION"]["category_us"]["attention"] == pytest.approx(4 * 18.5)
+    assert res["FLASH_ATTN"]["attention_share"] == pytest.approx(140 / 380)
+    assert len(res["ION"]["traces"]) == 2
+    ion_total = 74.0 + 200 + 40
+    assert ratios["ION"]["measured_gpu_ratio"] == pytest.approx(ion_total / 380)
+    # non-attention kernels identical -> the prediction equals the measured GPU ratio
+    assert ratios["ION"]["predicted_ratio"] == pytest.approx(ion_total / 380)
+    assert ratios["ION"]["predicted_ratio"] == pytest.approx(
+        (1 - 140 / 380) + (140 / 380) * 74 / 140)
+    assert ratios["ION"]["timed_wall_ratio"] == pytest.approx(0.8)
+    assert ratios["FLASH_ATTN"]["predicted_ratio"] == pytest.approx(1.0)
+    md = (tmp_path / "attention_share.md").read_text()
+    assert "| ION |" in md and "IonAttentionSm90" in md and "36.8%" in md
+    last = capsys.readouterr().out.strip().splitlines()
+    assert last[-2].startswith("ION") and last[-1].startswith("FLASH_ATTN")
+    assert "0.826" in last[-2]
+
+
+def test_main_reports_missing_backend(tmp_path):
+    _make_traces(tmp_path, with_timing=False)
+    rc = A.main(["--parse-only", "--out", str(tmp_path), "--backends", "ION,FLASH_ATTN,NOPE"])
+    assert rc == 1
+    data = json.loads((tmp_path / "attention_share.json").read_text())
+    assert "error" in data["results"]["NOPE"] and "NOPE" not in data["ratios"]
+    assert "timed_wall_ratio" not in data["ratios"]["ION"]
+
+
+def test_help():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "attention_share.py"),
+                        "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for flag in ("--backends", "--input-len", "--output-len", "--num-prompts", "--max-num-seqs",
+                 "--profile-prompts", "--attn-pattern", "--out", "--parse-only"):
+        assert flag in r.stdout
+    with pytest.raises(SystemExit):
+        A.parse_args([])  # --model required when running vLLM
+
+
+@pytest.mark.parametrize("backend", ["ION", "FLASH_ATTN"])
+def test_engine_kwargs_accepted_by_vllm(cpu_platform, tmp_path, backend):
+    from vllm.config.attention import AttentionConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    args = A.parse_args(["--model", str(tmp_path), "--max-num-batched-tokens", "8192"])
+    cfg = dict(vars(args), backend=backend, trace_dir=str(tmp_path / "t"))
+    kw = A.engine_kwargs(cfg, cfg["trace_dir"])
+    ea = EngineArgs(**kw)  # loads general plugins (the ION alias) as vLLM does
+    assert ea.load_format == "dummy" and ea.max_model_len == 7680 + 512
+    assert ea.max_num_seqs == 32 and ea.max_num_batched_tokens == 8192
+    assert ea.profiler_config.profiler == "torch"
+    assert ea.profiler_config.torch_profiler_dir == str(tmp_path / "t")
+    enum = AttentionConfig.validate_backend_before(ea.attention_backend)
+    want = AttentionBackendEnum.CUSTOM if backend == "ION" else AttentionBackendEnum.FLASH_ATTN
+    assert enum is want
+    # LLM passes the same names through: every key is an LLM or EngineArgs parameter
+    import inspect
+    from vllm import LLM
+    params = set(inspect.signature(LLM.__init__).parameters) | set(
+        inspect.signature(EngineArgs).parameters)
+    assert set(kw) <= params
