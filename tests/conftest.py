@@ -27,18 +27,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def cpu_platform(monkeypatch):
+def force_cpu_platform(mp) -> object:
     """Make vLLM resolve `current_platform` to CpuPlatform (also in modules that already
-    bound the name at import time), as vLLM's own `bench` CLI does on a GPU-less host."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bound the name at import time), as vLLM's own `bench` CLI does on a GPU-less host.
+    ``mp`` is a pytest MonkeyPatch; undoing it restores the platform."""
+    mp.setenv("HF_HUB_OFFLINE", "1")
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
     platform = CpuPlatform()
-    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+    mp.setattr(vllm.platforms, "_current_platform", platform)
     for name, module in list(sys.modules.items()):
         if (name.startswith("vllm") and module is not None
                 and "current_platform" in getattr(module, "__dict__", {})):
-            monkeypatch.setattr(module, "current_platform", platform)
+            mp.setattr(module, "current_platform", platform)
     return platform
+
+
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    return force_cpu_platform(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def cpu_platform_module():
+    mp = pytest.MonkeyPatch()
+    yield force_cpu_platform(mp)
+    mp.undo()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 
 import pytest
 
@@ -43,26 +42,14 @@ NEVER = 10**9  # store_lag: a store completes only when the scheduler flushes it
 
 
 @pytest.fixture(scope="module")
-def vllm_cpu(tmp_path_factory):
-    """Force vLLM's platform to CpuPlatform (also where the name is already bound)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    platform = CpuPlatform()
-    mp.setattr(vllm.platforms, "_current_platform", platform)
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("vllm") and module is not None
-                and "current_platform" in getattr(module, "__dict__", {})):
-            mp.setattr(module, "current_platform", platform)
+def vllm_cpu(tmp_path_factory, cpu_platform_module):
+    """vLLM on CpuPlatform (tests/conftest.py) with the Ion KV tier spec registered."""
     from ion_vllm.kv_tier import register_kv_tier
 
     register_kv_tier()
     model = tmp_path_factory.mktemp("tiny-qwen2")
     (model / "config.json").write_text(json.dumps(TINY_QWEN2))
-    yield str(model)
-    mp.undo()
+    return str(model)
 
 
 class FakeWorker:
