@@ -23,17 +23,12 @@ no cutlass / CuTe import) and is idempotent.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 
 logger = logging.getLogger(__name__)
 
 ION_BACKEND_NAME = "ION"
 ION_BACKEND_QUALNAME = "ion_vllm.backend.IonAttentionBackend"
-_KV_TIER_MODULE = "ion_vllm.kv_tier"
-
-_kv_tier_registered = False
 
 
 def install_enum_alias() -> None:
@@ -66,23 +61,13 @@ def register_backend_override() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, ION_BACKEND_QUALNAME)
 
 
-def _register_kv_tier() -> None:
-    """Call ``ion_vllm.kv_tier.register_kv_tier()`` once per process, if that module exists."""
-    global _kv_tier_registered
-    if _kv_tier_registered:
-        return
-    if importlib.util.find_spec(_KV_TIER_MODULE) is None:
-        return
-    module = importlib.import_module(_KV_TIER_MODULE)
-    module.register_kv_tier()
-    _kv_tier_registered = True
-
-
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``ION`` (and ``CUSTOM``) resolve to ION."""
+    from ion_vllm.kv_tier import register_kv_tier
+
     install_enum_alias()
     register_backend_override()
-    _register_kv_tier()
+    register_kv_tier()  # the IonKVTier OffloadingSpec (idempotent, imports nothing heavy)
 
 
 def is_registered() -> bool:
