@@ -19,20 +19,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cute_kernels import variants as _kernel_variants  # plain constants, imports nothing heavy
+
 BACKEND_NAME = "ION"
 
 #: Head dimensions the kernel is compiled for.
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128)
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = _kernel_variants.SUPPORTED_HEAD_DIMS
 #: Activation / KV dtypes (torch dtype names without the ``torch.`` prefix).
-SUPPORTED_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+SUPPORTED_DTYPES: tuple[str, ...] = _kernel_variants.SUPPORTED_DTYPES
 #: ``--kv-cache-dtype`` values accepted (no quantized KV cache).
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 #: The only GPU generation the kernel is built for (TMA + wgmma, sm_90a).
 REQUIRED_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 #: KV page size of the kernel (= vLLM kernel block size, = KV tile).
-KERNEL_BLOCK_SIZE = 64
+KERNEL_BLOCK_SIZE = _kernel_variants.PAGE_SIZE
 #: Largest q-heads-per-KV-head ratio (packed GQA fills the 64-row MMA with 64 // Gp tokens).
-MAX_GQA_RATIO = 8
+MAX_GQA_RATIO = _kernel_variants.MAX_GROUP
 
 _FALLBACK = "use --attention-backend FLASH_ATTN (or leave it unset) for this configuration"
 
