@@ -137,8 +137,12 @@ def worker(backend: str, task_path: str, result_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     t0 = time.time()
+    extra = {}
+    if backend == "ION" and task.get("ion_cudagraph_mode"):
+        # e.g. FULL: mixed prefill/decode batches replay full CUDA graphs of the ION launch
+        extra["compilation_config"] = {"cudagraph_mode": task["ion_cudagraph_mode"]}
     llm = LLM(model=task["model"], attention_backend=backend, dtype="bfloat16",
-              enforce_eager=task["enforce_eager"],
+              enforce_eager=task["enforce_eager"], **extra,
               gpu_memory_utilization=task["gpu_memory_utilization"],
               max_model_len=task["max_model_len"], enable_prefix_caching=True,
               max_num_batched_tokens=task["max_num_batched_tokens"],
@@ -303,6 +307,10 @@ def parse_args(argv=None):
     ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                     help=f"comma list; must contain {REFERENCE}, TRITON_ATTN and ION")
     ap.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    ap.add_argument("--ion-cudagraph-mode", default=None,
+                    choices=["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"],
+                    help="vLLM cudagraph_mode for the ION run only (default: vLLM's default); "
+                         "FULL checks capture/replay of mixed batches")
     ap.add_argument("--break", dest="break_", action="store_true",
                     help=f"run ION with {FAULT_ENV}={FAULT_VALUE} (must report FAIL)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
@@ -376,6 +384,7 @@ def main(argv=None) -> int:
     prompts = build_prompts(args.seed)
     task = {"model": model, "prompts": prompts, "topk": args.topk,
             "gen_tokens": args.gen_tokens, "enforce_eager": args.enforce_eager,
+            "ion_cudagraph_mode": args.ion_cudagraph_mode,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -399,6 +408,7 @@ def main(argv=None) -> int:
         "date": date, "model": model, "num_prompts": len(prompts),
         "prompt_lengths": [len(p["ids"]) for p in prompts],
         "positions": vs_ref["ION"]["positions"], "enforce_eager": args.enforce_eager,
+        "ion_cudagraph_mode": args.ion_cudagraph_mode,
         "fault": FAULT_VALUE if args.break_ else None, "top1_slack": args.top1_slack,
         "settings": {k: task[k] for k in ("topk", "gen_tokens", "max_model_len",
                                           "max_num_batched_tokens", "max_num_seqs",

@@ -337,6 +337,11 @@ class LLM:
         assert os.path.isdir(model), model
         assert kw["enable_prefix_caching"] is True
         assert kw["max_num_batched_tokens"] == 512
+        mode = os.environ.get("EXPECT_ION_CUDAGRAPH_MODE")
+        if mode and attention_backend == "ION":
+            assert kw["compilation_config"] == {"cudagraph_mode": mode}, kw
+        else:
+            assert "compilation_config" not in kw, (attention_backend, kw)
         self.backend = attention_backend
         self.fault = os.environ.get("ION_FAULT_INJECT") if attention_backend == "ION" else None
         noise = {"FLASH_ATTN": 0.0, "TRITON_ATTN": 2e-3, "ION": 2e-3}[attention_backend]
@@ -399,6 +404,9 @@ def test_e2e_pipeline_with_fake_vllm(tmp_path, break_):
            "--out", str(out), "--gen-tokens", "4"]
     if break_:
         cmd.append("--break")
+    else:  # the ION run alone gets vLLM's FULL cudagraph mode (mixed batches in full graphs)
+        cmd += ["--ion-cudagraph-mode", "FULL"]
+        env["EXPECT_ION_CUDAGRAPH_MODE"] = "FULL"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == (1 if break_ else 0), r.stdout + r.stderr
     s = json.loads((out / "agreement.json").read_text())
