@@ -1,12 +1,11 @@
 """Reduced randomized GPU sweep (24 cases) of kv_append + ion_attention, plus a
 negative control proving the sweep fails on a broken block table."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+from script_loader import load_script
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,11 +18,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_sweep_gpu_test", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_sweep.py", "gpu_sweep_gpu_test")
 
 
 @pytest.mark.gpu

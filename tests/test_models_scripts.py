@@ -209,13 +209,9 @@ def test_tiny_default_config_shape():
 # ---- scripts/e2e_agreement.py pure helpers (the script itself needs vLLM + GPU) -------
 
 def _load_e2e():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("e2e_agreement_under_test",
-                                                  os.path.join(SCRIPTS, "e2e_agreement.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from script_loader import load_script
+
+    return load_script("e2e_agreement.py", "e2e_agreement_under_test")
 
 
 def test_e2e_help_and_import():

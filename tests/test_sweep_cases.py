@@ -1,7 +1,6 @@
 """CPU tests of scripts/gpu_sweep.py: case generator, judging and the run loop
 (with reference-backed / deliberately broken implementations injected)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,6 +9,7 @@ import sys
 import types
 
 import pytest
+from script_loader import load_script
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,11 +17,7 @@ PATH = os.path.join(ROOT, "scripts", "gpu_sweep.py")
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("gpu_sweep_under_test", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_sweep.py", "gpu_sweep_under_test")
 
 
 sw = _load()
