@@ -2,14 +2,10 @@
 negative control proving the sweep fails on a broken block table."""
 
 import json
-import os
 
 import pytest
-from script_loader import load_script
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATH = os.path.join(ROOT, "scripts", "gpu_sweep.py")
+from script_loader import load_script
 
 
 # tests/conftest.py skips `gpu` tests without a Hopper GPU; this guard only keeps the
