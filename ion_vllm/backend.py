@@ -107,6 +107,12 @@ def fault_block_table(block_table: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- builder
+def batch_invariant_mode() -> bool:
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_BATCH_INVARIANT)
+
+
 class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]):
     """Builds :class:`IonAttentionMetadata` and the step's work-list plan.
 
@@ -136,6 +142,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         device: torch.device,
     ):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if batch_invariant_mode() and self.allow_split:
+            # split-KV sums a row's pages in a batch-dependent grouping: off when vLLM asks
+            # for batch-invariant numerics (see IonAttentionBackend.supports_batch_invariance)
+            logger.info("ION: VLLM_BATCH_INVARIANT=1, planning without split-KV")
+            self.allow_split = False
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
@@ -353,6 +364,16 @@ class IonAttentionBackend(AttentionBackend):
     @classmethod
     def supports_mm_prefix(cls) -> bool:
         return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        """Under ``VLLM_BATCH_INVARIANT=1`` the builder plans without split-KV.  Every output
+        row is then reduced by one CTA over its pages in page order, and each wgmma row and
+        softmax row depends only on that row's query and keys.  KV tiles that are wholly
+        masked for a row (a q tile reaching further than the row) leave its state bit-exact
+        (rescale by exp2(0) = 1, p = 0).  So a token's output does not depend on the
+        batch, the chunking, or the CTA its work item lands on."""
+        return True
 
     @classmethod
     def validate_configuration(

@@ -174,13 +174,11 @@ def backend_config_reasons(
     if use_per_head_quant_scales:
         reasons.append(f"{BACKEND_NAME}: per-head KV quantization scales are not supported; "
                        f"run with --kv-cache-dtype auto")
-    if use_batch_invariant:
-        reasons.append(f"{BACKEND_NAME}: batch-invariant mode (VLLM_BATCH_INVARIANT=1) is "
-                       f"not supported; unset VLLM_BATCH_INVARIANT or {_FALLBACK}")
     if use_pcp:
         reasons.append(f"{BACKEND_NAME}: prefill context parallelism is not supported; "
                        f"run with --prefill-context-parallel-size 1")
-    del use_kv_connector  # KV connectors only see the cache tensor; nothing to refuse
+    # batch-invariant mode is supported: the builder then plans without split-KV
+    del use_kv_connector, use_batch_invariant  # connectors only see the cache tensor
     return [r for r in reasons if r is not None]
 
 

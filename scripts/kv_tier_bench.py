@@ -35,12 +35,27 @@ import time
 
 
 def metric_sums(llm) -> dict[str, float]:
+    """Counters and gauges summed over labels, as floats.  Read from the Prometheus
+    registry directly: ``LLM.get_metrics()`` truncates counters to int, which turns
+    the transfer-time counters (seconds) into 0."""
+    del llm  # the engine's metrics live in this process's default registry
+    from prometheus_client import REGISTRY
+
     out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        v = getattr(m, "value", None)
-        if isinstance(v, (int, float)):
-            out[m.name] = out.get(m.name, 0.0) + float(v)
+    for fam in REGISTRY.collect():
+        if fam.type not in ("counter", "gauge") or not fam.name.startswith("vllm:"):
+            continue
+        for smp in fam.samples:
+            if fam.type == "counter" and not smp.name.endswith("_total"):
+                continue  # skip *_created
+            out[fam.name] = out.get(fam.name, 0.0) + float(smp.value)
     return out
+
+
+def has_weights(model_dir: str) -> bool:
+    from ion_vllm.bench.e2e import WEIGHT_SUFFIXES
+
+    return any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(model_dir))
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -58,7 +73,10 @@ def child(cfg: dict) -> dict:
     kw = dict(model=cfg["model"], seed=0, kv_cache_memory_bytes=cfg["kv_bytes"],
               block_size=cfg["block_size"], max_model_len=cfg["max_model_len"],
               max_num_seqs=cfg["max_num_seqs"], disable_log_stats=False,
-              enable_prefix_caching=True, enforce_eager=cfg["enforce_eager"])
+              enable_prefix_caching=True, enforce_eager=cfg["enforce_eager"],
+              skip_tokenizer_init=True)  # token-id prompts; no detokenization cost
+    if not has_weights(cfg["model"]):
+        kw["load_format"] = "dummy"  # e.g. the offline demo model (config only)
     if cfg["backend"]:
         kw["attention_backend"] = cfg["backend"]
     host_bytes = int(cfg["host_gib"] * (1 << 30))

@@ -7,6 +7,14 @@ offloading; the run must really preempt and really restore blocks from host.
         [--attention-backend ION] [--kv-cache-memory-bytes 8388608] [--host-gib 1]
 
 Each configuration runs in its own process (GPU memory is fully released).
+Both run with VLLM_BATCH_INVARIANT=1 (ION then plans without split-KV and vLLM
+makes its GEMMs batch-invariant), so a token's logits do not depend on which
+requests share its batch.  Without it, the two runs schedule differently
+(restores vs recompute, different preemptions), bf16 rounding differs, and
+greedy decoding with random weights diverges by itself: a token mismatch would
+not tell a corrupted block from a changed batch.  ``--control always`` adds a second
+no-offload run with half the concurrency: it must match too, which shows the
+comparison is batch-free (it runs by default only after a mismatch).
 Exit code 0 = pass.
 """
 
@@ -38,6 +46,7 @@ def child(cfg: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=cfg["model"], seed=0, enforce_eager=cfg["enforce_eager"],
+              skip_tokenizer_init=True,
               kv_cache_memory_bytes=cfg["kv_bytes"], block_size=cfg["block_size"],
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               disable_log_stats=False, enable_prefix_caching=True)
@@ -76,7 +85,10 @@ def run_child(cfg: dict) -> dict:
         cpath, opath = os.path.join(d, "cfg.json"), os.path.join(d, "out.json")
         with open(cpath, "w") as f:
             json.dump(cfg, f)
-        subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True)
+        env = dict(os.environ)
+        if cfg.get("batch_invariant", True):
+            env["VLLM_BATCH_INVARIANT"] = "1"
+        subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True, env=env)
         with open(opath) as f:
             return json.load(f)
 
@@ -103,6 +115,13 @@ def main() -> int:
     ap.add_argument("--host-gib", type=float, default=1.0)
     ap.add_argument("--ring-mib", type=float, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="run without VLLM_BATCH_INVARIANT (outputs may then diverge by rounding)")
+    ap.add_argument("--control", choices=("auto", "always", "never"), default="auto",
+                    help="a second no-offload run at half concurrency, which must match the "
+                         "reference (shows the comparison is batch-free); auto = only when "
+                         "the tier run mismatches, to tell corruption from batch variance")
+    ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
 
     from transformers import AutoConfig
@@ -119,30 +138,40 @@ def main() -> int:
                 block_size=args.block_size, max_model_len=seq + args.block_size,
                 max_num_seqs=args.num_requests, max_tokens=args.max_tokens,
                 waves=args.waves, host_gib=args.host_gib, ring_mib=args.ring_mib,
-                enforce_eager=args.enforce_eager,
+                enforce_eager=args.enforce_eager, batch_invariant=not args.no_batch_invariant,
                 prompts=make_prompts(args.num_requests, vocab, args.prefix_len,
                                      args.suffix_len, args.n_prefixes))
     print(f"KV pool {kv_bytes/2**20:.1f} MiB for a workload needing {need/2**20:.1f} MiB")
     ref = run_child({**base, "offload": False})
     ion = run_child({**base, "offload": True})
     mism = [i for i, (a, b) in enumerate(zip(ref["outputs"], ion["outputs"])) if a != b]
+    ctl_mism = None
+    if args.control == "always" or (args.control == "auto" and mism):
+        ctl = run_child({**base, "offload": False,
+                         "max_num_seqs": max(1, args.num_requests // 2)})
+        ctl_mism = [i for i, (a, b) in enumerate(zip(ref["outputs"], ctl["outputs"]))
+                    if a != b]
     m = ion["metrics"]
     preempt = m.get("vllm:num_preemptions", m.get("vllm:num_preemptions_total", 0.0))
     loaded = m.get("vllm:kv_offload_load_bytes", 0.0)
     ext_hits = m.get("vllm:external_prefix_cache_hits", 0.0)
     report = {
         "kv_pool_bytes": kv_bytes, "requests": len(ref["outputs"]),
-        "mismatched_requests": mism, "preemptions_ion": preempt,
+        "batch_invariant": not args.no_batch_invariant,
+        "generated_tokens": sum(len(o) for o in ref["outputs"]),
+        "mismatched_requests": mism, "control_mismatched_requests": ctl_mism,
+        "preemptions_ion": preempt,
         "preemptions_ref": ref["metrics"].get("vllm:num_preemptions", None),
         "host_loaded_bytes": loaded, "external_prefix_hit_tokens": ext_hits,
         "ion_tier_metrics": {k: v for k, v in m.items() if "ion_kv_tier" in k or "kv_offload" in k},
     }
-    print(json.dumps(report, indent=1))
     ok = True
     if mism:
         i = mism[0]
-        print(f"FAIL: {len(mism)} requests differ; first #{i}:\n ref {ref['outputs'][i][:32]}\n"
-              f" ion {ion['outputs'][i][:32]}")
+        a, b = ref["outputs"][i], ion["outputs"][i]
+        t = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"FAIL: {len(mism)} requests differ; first #{i} from token {t}:\n"
+              f" ref {a[t:t + 16]}\n ion {b[t:t + 16]}")
         ok = False
     if not preempt:
         print("FAIL: no preemption happened; lower --kv-cache-memory-bytes")
@@ -150,6 +179,16 @@ def main() -> int:
     if not loaded:
         print("FAIL: nothing was restored from the host tier")
         ok = False
+    if ctl_mism:
+        print(f"CONTROL FAIL: {len(ctl_mism)} requests differ between two no-offload runs "
+              "at different concurrency: the comparison is not batch-invariant")
+        ok = False
+    report["pass"] = ok
+    print(json.dumps(report, indent=1))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

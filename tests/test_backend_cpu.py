@@ -320,3 +320,30 @@ def test_profiling_run_without_metadata_zeroes_output():
     kv = torch.ones(3, HKV, D, dtype=torch.bfloat16)
     impl.forward(None, q, kv, kv, torch.empty(0), None, out)
     assert not out.any()
+
+
+def test_batch_invariant_mode_plans_without_split(make_config, monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: ION is selectable (vLLM asks supports_batch_invariance) and
+    its builder never splits a row's KV range, so a row's reduction order is batch-free."""
+    cfg = make_config("--max-num-seqs", "4")
+    bt = torch.arange(4 * 160, dtype=torch.int32).reshape(4, 160)
+    q_lens, seq_lens = [1, 1, 1, 1], [8192, 9000, 10000, 7000]
+    split = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    md = split.build(0, common_metadata(q_lens, seq_lens, bt))
+    assert md.plan.host.partial_rows > 0  # control: these long decodes do split by default
+
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backend import AttentionType
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert IonAttentionBackend.supports_batch_invariance()
+    assert IonAttentionBackend.validate_configuration(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=64,
+        use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0),
+        attn_type=AttentionType.DECODER, use_batch_invariant=True) == []
+    inv = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not inv.allow_split and IonAttentionMetadataBuilder.allow_split
+    md = inv.build(0, common_metadata(q_lens, seq_lens, bt))
+    assert md.plan.host.partial_rows == 0 and md.plan.num_groups == 0
+    assert md.plan.num_items == len(q_lens) * HKV  # one item per (request, KV head)

@@ -148,3 +148,19 @@ def test_time_calls_cycles_through_rotations(fake_cuda):
     assert len(ts) == 7 and all(t >= 0 for t in ts)
     # warm-up (2), host-cost probe (min(10, iters) = 7), then 7 timed calls
     assert seen[-7:] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_synced_timing_syncs_each_call_and_is_recorded(fake_cuda, monkeypatch):
+    """--timing synced: one host call per synchronize (launch latency included), and the
+    record says which timing produced it."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: log.append("sync"))
+    ts = kr.time_calls_synced([lambda: log.append("call")], iters=4, warmup=2)
+    assert len(ts) == 4 and all(t >= 0 for t in ts)
+    timed = log[log.index("sync") + 1:]  # after the warm-up sync
+    assert timed == ["call", "sync"] * 4
+    calls = []
+    _fake_backends(monkeypatch, calls)
+    recs = kr.run_kernel_suite(CASES[:1], ["fa3"], iters=3, warmup=0, device="cpu",
+                               l2_bytes=L2, timing="synced", log=lambda *_: None)
+    assert recs[0]["status"] == "ok" and recs[0]["timing"] == "synced"

@@ -37,7 +37,6 @@ BAD_BACKEND = [
     (dict(use_non_causal=True), "non-causal", "FLASH_ATTN"),
     (dict(use_mm_prefix=True), "multimodal", "FLASH_ATTN"),
     (dict(use_per_head_quant_scales=True), "per-head", "--kv-cache-dtype auto"),
-    (dict(use_batch_invariant=True), "VLLM_BATCH_INVARIANT", "unset"),
     (dict(use_pcp=True), "prefill context parallel", "--prefill-context-parallel-size 1"),
 ]
 
@@ -46,7 +45,8 @@ def test_good_backend_config_has_no_reasons():
     assert backend_config_reasons(**GOOD) == []
     for ok in (dict(head_size=64), dict(dtype=torch.float16), dict(dtype="bfloat16"),
                dict(kv_cache_dtype="bfloat16"), dict(kv_cache_dtype=None),
-               dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True)):
+               dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True),
+               dict(use_batch_invariant=True)):
         assert backend_config_reasons(**{**GOOD, **ok}) == [], ok
 
 

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--warmup", type=int, default=10)
     k.add_argument("--no-ceilings", action="store_true",
                    help="skip the copy/GEMM ceiling measurement (reuse the dir's, if any)")
+    k.add_argument("--timing", choices=("queued", "synced"), default="queued",
+                   help="queued (default): calls queued behind a spacer, GPU time only; "
+                        "synced: one call per sync, includes launch latency (to compare "
+                        "with per-call benchmarks)")
     k.add_argument("--device", default="cuda")
     k.add_argument("--list", action="store_true", help="print the selected cases and exit")
 
@@ -174,7 +178,7 @@ def cmd_kernel(args) -> int:
 
     recs = kernel_runner.run_kernel_suite(cases, backends, iters=args.iters, warmup=args.warmup,
                                           device=args.device, ceilings=ceil, suite_label=label,
-                                          log=_log, on_record=flush)
+                                          log=_log, on_record=flush, timing=args.timing)
     report.update_summary(out, recs)
     table, plot = report.render(out)
     _log(f"[kernel] wrote {out / 'summary.json'}, {table}, {plot}")

@@ -313,6 +313,32 @@ def time_calls(calls: list[Callable[[], object]], iters: int, warmup: int) -> li
     return [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends)]
 
 
+def time_calls_synced(calls: list[Callable[[], object]], iters: int,
+                      warmup: int) -> list[float]:
+    """GPU time (µs) of each call started from an idle, synchronized GPU: events
+    around one host call, then a sync.  Unlike :func:`time_calls` this includes the
+    gap between the start event and the kernel (host enqueue and launch latency,
+    several µs for a Python-wrapped kernel) and an empty GPU at kernel start.  It is
+    the method a simple per-call benchmark uses; `ion-bench kernel --timing synced`
+    exists to compare against such numbers, not for the A/B."""
+    import torch
+    n = len(calls)
+    for i in range(warmup):
+        calls[i % n]()
+    torch.cuda.synchronize()
+    out = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        calls[i % n]()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) * 1000.0)
+    return out
+
+
+TIMERS = {"queued": time_calls, "synced": time_calls_synced}
+
 _CYCLES_PER_US: float | None = None
 
 
@@ -373,7 +399,8 @@ def rel_err(out, ref) -> float:
 
 
 def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: int,
-                     l2_bytes: int = H200_L2_BYTES) -> tuple[dict, object]:
+                     l2_bytes: int = H200_L2_BYTES,
+                     timing: str = "queued") -> tuple[dict, object]:
     """Time one backend on one case. Returns (measurement dict, first-rotation
     output (on device) for cross-checks). Raises BackendUnavailable / other errors."""
     import torch
@@ -386,7 +413,7 @@ def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: in
         preps[0].call()
         torch.cuda.synchronize()
         first_out = preps[0].out.clone()
-        ts = time_calls([p.call for p in preps], iters, warmup)
+        ts = TIMERS[timing]([p.call for p in preps], iters, warmup)
     finally:
         del preps
     torch.cuda.empty_cache()
@@ -399,6 +426,7 @@ def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: in
         "mean_us": statistics.fmean(ts),
         "iters": len(ts),
         "rotations": n_rot,
+        "timing": timing,
     }
     return res, first_out
 
@@ -406,7 +434,7 @@ def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: in
 def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
                      warmup: int = 10, device: str = "cuda", ceilings: dict | None = None,
                      suite_label: str = "", log=print, on_record=None,
-                     l2_bytes: int = H200_L2_BYTES) -> list[dict]:
+                     l2_bytes: int = H200_L2_BYTES, timing: str = "queued") -> list[dict]:
     """Run every (case, backend); never raises for a backend failure: the record
     then has ``status`` "skipped" (backend unavailable) or "error"."""
     import torch
@@ -435,7 +463,7 @@ def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
                 continue
             try:
                 res, out = run_case_backend(case, be, dev, iters=iters, warmup=warmup,
-                                            l2_bytes=l2_bytes)
+                                            l2_bytes=l2_bytes, timing=timing)
             except BackendUnavailable as e:
                 unavailable[be] = str(e)
                 rec.update(status="skipped", error=str(e))

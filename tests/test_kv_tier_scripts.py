@@ -1,0 +1,73 @@
+"""CPU checks of the KV tier GPU scripts' host-side logic (metrics, workload, sizing)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from script_loader import load_script
+
+bench = load_script("kv_tier_bench.py", "kv_tier_bench_script")
+preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_script")
+
+
+def test_metric_sums_keeps_fractional_seconds():
+    """GB/s = bytes / seconds: the time counters must not be truncated to int (vLLM's
+    LLM.get_metrics does that, which read 0 s on the GPU run)."""
+    from prometheus_client import Counter, Gauge
+
+    c = Counter("vllm:ion_test_store_time", "seconds", ["engine"])
+    c.labels("0").inc(0.25)
+    c.labels("1").inc(0.5)
+    g = Gauge("vllm:ion_test_ring_used", "slots")
+    g.set(3)
+    m = bench.metric_sums(None)
+    assert m["vllm:ion_test_store_time"] == pytest.approx(0.75)
+    assert m["vllm:ion_test_ring_used"] == 3.0
+    assert not any(k.endswith("_created") for k in m)
+
+
+def test_pct_and_weights_detection(tmp_path):
+    assert bench.pct([5.0, 1.0, 3.0], 50) == 3.0
+    assert bench.pct([float(i) for i in range(101)], 99) == 99.0
+    assert bench.pct([], 50) != bench.pct([], 50)  # nan
+    (tmp_path / "config.json").write_text("{}")
+    assert not bench.has_weights(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert bench.has_weights(str(tmp_path))
+
+
+def test_preempt_prompts_share_prefixes():
+    p = preempt.make_prompts(12, 1000, prefix_len=40, suffix_len=8, n_prefixes=3, seed=1)
+    assert len(p) == 12 and all(len(x) == 48 for x in p)
+    assert p[0][:40] == p[3][:40] == p[6][:40] and p[0][:40] != p[1][:40]
+    assert p[0][40:] != p[3][40:]
+    assert all(10 <= t < 1000 for x in p for t in x)
+    assert preempt.make_prompts(12, 1000, 40, 8, 3, seed=1) == p  # deterministic
+
+
+def test_preempt_child_env_is_batch_invariant(monkeypatch, tmp_path):
+    """The two runs are compared token for token, so each child must run with
+    VLLM_BATCH_INVARIANT=1 unless --no-batch-invariant is given."""
+    seen = []
+
+    def fake_run(cmd, check, env):
+        seen.append(env.get("VLLM_BATCH_INVARIANT"))
+        with open(cmd[-1], "w") as f:
+            json.dump({"outputs": [], "metrics": {}}, f)
+
+    monkeypatch.setattr(preempt.subprocess, "run", fake_run)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    preempt.run_child({"model": "m"})
+    preempt.run_child({"model": "m", "batch_invariant": False})
+    assert seen == ["1", None]
+
+
+def test_scripts_show_help():
+    for name in ("kv_tier_bench.py", "kv_tier_preempt_check.py"):
+        path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", name)
+        r = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                           check=False, timeout=120)
+        assert r.returncode == 0 and "usage" in r.stdout, r.stderr
