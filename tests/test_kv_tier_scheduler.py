@@ -386,3 +386,34 @@ def test_host_budget_evicts_lru_blocks(vllm_cpu):
     f = eng.add("f", list(c.prompt_token_ids) + _prompt(9, 5), max_tokens=1)
     eng.run_to_completion(e, f)
     assert [m for m in eng.matched if m[0] in "ef"] == [("e", 0, 3 * BS), ("f", 0, 0)]
+
+
+@pytest.mark.parametrize("store_lag", [1, 3])
+def test_preemption_storm_with_shared_prefixes_keeps_every_block(vllm_cpu, store_lag):
+    """(5) The GPU preemption check's workload, scaled for the CPU: 24 requests in two
+    waves over 4 shared 6-block prefixes, a GPU pool of a quarter of what they need,
+    prefix caching on.  Every step, the harness checks that each position a request
+    counts as computed holds the right token in the GPU block vLLM assigned (a wrong
+    restore, a store of the wrong block or a lost store fails).  The storm must really
+    preempt and really restore from the host, and every request must finish with all of
+    its tokens."""
+    rng = random.Random(store_lag)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(6 * BS)] for _ in range(4)]
+    eng = Engine(vllm_cpu, gpu_blocks=40, host_blocks=4096, store_lag=store_lag,
+                 prefix_caching=True, max_num_seqs=12, max_batched=256)
+    reqs = []
+    for wave in range(2):
+        batch = []
+        for i in range(12):
+            prompt = prefixes[i % 4] + [rng.randrange(1, 1000) for _ in range(BS + i)]
+            batch.append(eng.add(f"w{wave}-{i}", prompt, max_tokens=3 * BS))
+        eng.run_to_completion(*batch)
+        reqs += batch
+    assert all(r.num_output_tokens == 3 * BS for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) >= 4
+    loaded = [jid for jid in eng.worker.load_jobs]
+    assert loaded, "nothing was restored from the host tier"
+    # restores after preemption: a preempted request's readmission matched host blocks
+    preempted = {r.request_id for r in reqs if r.num_preemptions}
+    assert any(rid in preempted and (ext or 0) > 0 for rid, _, ext in eng.matched)
+    eng.mgr.check_invariants()
