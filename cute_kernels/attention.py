@@ -4,6 +4,11 @@ Kernels are compiled once per variant (dtype, head_dim, group_pad, page) from fa
 symbolic sizes (``--enable-tvm-ffi``), then called with torch tensors directly on the current
 torch stream.  Compilation needs no GPU, so the same path compiles every variant for sm_90a on a
 CPU machine (``compile_variant``); see tests/test_compile_sm90.py.
+
+Fused KV writeback: ``ion_attention(..., key=, value=)`` runs the ``fresh_kv`` kernel variant
+(``IonAttentionSm90(fresh_kv=True).fused``), which reads the step's new K/V from ``key`` /
+``value`` and TMA-stores them into ``k_cache`` / ``v_cache`` inside the attention launch (no
+``kv_append``).  It needs a plan made with ``fresh_kv=True`` (docs/contract.md).
 """
 
 from __future__ import annotations
@@ -69,6 +74,35 @@ def make_kernel(variant: Variant):
                             variant.page_size, ctas_per_sm=CTAS_PER_SM)
 
 
+def make_fused_kernel(variant: Variant):
+    """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
+    method, compiled with ``fused_fake_args(variant)``."""
+    from .attention_sm90 import IonAttentionSm90
+
+    return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
+                            variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True).fused
+
+
+def fused_fake_args(variant: Variant):
+    """``fake_args`` of the fused kernel: q, key, value, k_cache, v_cache, out, ... where
+    key/value are ``[T, Hkv, D]`` with any 16-byte-multiple token/head strides (views of
+    the fused qkv projection are read in place)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    args = _fake_args(variant)
+    dt = _cutlass_dtype(variant.dtype)
+    D = variant.head_dim
+
+    def new_kv():
+        return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), D),
+                                stride=(cute.sym_int64(divisibility=8),
+                                        cute.sym_int64(divisibility=8), 1),
+                                assumed_align=16)
+
+    return (args[0], new_kv(), new_kv()) + tuple(args[1:])
+
+
 def make_combine_kernel(variant: Variant):
     from .combine_sm90 import CombineSm90
 
@@ -102,6 +136,15 @@ def _compiled(variant: Variant):
 
     with _compile_lock:
         return cute.compile(make_kernel(variant), *fake_args(variant), options="--enable-tvm-ffi")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_fused(variant: Variant):
+    import cutlass.cute as cute
+
+    with _compile_lock:
+        return cute.compile(make_fused_kernel(variant), *fused_fake_args(variant),
+                            options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,6 +204,9 @@ class DevicePlan:
         self.num_items = 0
         self.num_groups = 0
         self.host = None
+        # work-list kind of the last uploaded plan: True = KV units for the fused-writeback
+        # kernel (planner fresh_kv=True), False = cache pages, None = nothing uploaded yet
+        self.fresh_kv = None
         pin = device.type == "cuda"
         self._stages = [_PinnedStage(self.item_capacity, self.group_capacity, self.num_ctas, pin)
                         for _ in range(2)]
@@ -202,14 +248,18 @@ class DevicePlan:
         self.num_items = n
         self.num_groups = g
         self.host = host_plan
+        self.fresh_kv = bool(getattr(host_plan, "fresh_kv", False))
         return self
 
 
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,
                      page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
-                     allow_split: bool = True, max_splits: int = 16) -> DevicePlan:
+                     allow_split: bool = True, max_splits: int = 16,
+                     fresh_kv: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
-    backend keeps one DevicePlan per builder and calls ``upload`` every step)."""
+    backend keeps one DevicePlan per builder and calls ``upload`` every step).
+    ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
+    key=, value=)``); a plan is only valid for the kind of call it was made for."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -220,7 +270,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     p = host_plan_fn(np.asarray(query_start_loc_cpu, dtype=np.int32),
                      np.asarray(seq_lens_cpu, dtype=np.int32),
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
-                     num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits)
+                     num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
+                     fresh_kv=fresh_kv)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device)
@@ -232,9 +283,33 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table):
+def check_new_kv(q, key, value, k_cache):
+    """Shape / dtype / layout checks of the step's new K/V for the fused-writeback call
+    (device-independent, so they run on the CPU as well)."""
+    if (key is None) != (value is None):
+        raise ValueError("pass both key and value (fused KV writeback) or neither")
+    if key is None:
+        return
+    want = (q.shape[0], k_cache.shape[1], k_cache.shape[3]) if k_cache.dim() == 4 else None
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or (want is not None and tuple(t.shape) != want):
+            raise ValueError(f"{name} must be [T, Hkv, D] = {want} (T rows of q, the cache's "
+                             f"Hkv and D), got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype must equal q dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+            raise ValueError(f"{name} must have a contiguous, 16-byte aligned last dim")
+        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            raise ValueError(f"{name} strides must be multiples of 16 bytes (TMA)")
+
+
+def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                 key=None, value=None):
     """Refuse, with a reason, every input the kernel does not implement (never a wrong
     answer or a fault inside the kernel)."""
+    check_new_kv(q, key, value, k_cache)
     tensors = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table)
     if not all(t.is_cuda and t.device == q.device for t in tensors):
         raise ValueError("IonAttention needs every tensor on the same CUDA device")
@@ -273,27 +348,46 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
 
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
-                  query_start_loc_cpu=None, seq_lens_cpu=None):
+                  query_start_loc_cpu=None, seq_lens_cpu=None, key=None, value=None):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
     ``plan`` is a DevicePlan built once per step; when None it is planned here from host
     copies of ``query_start_loc``/``seq_lens`` (pass them as ``*_cpu`` to avoid a sync).
     Launches the attention kernel, then (if any item is split) the combine pass.
+
+    ``key``/``value`` (``[T, Hkv, D]``, rows aligned with ``q``): fused KV writeback.  The
+    launch reads the new K/V from them and writes them into ``k_cache``/``v_cache`` at
+    positions ``seq_len - q_len ..`` of each request through ``block_table`` (what
+    ``kv_append`` with the block-table slot mapping would write), so no ``kv_append`` runs
+    before it.  ``plan`` must then be a ``fresh_kv=True`` plan.  Cache slots of a request's
+    last page past ``seq_len`` may receive garbage (docs/contract.md).
     """
     T, Hq, Hkv, D, P = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
-                                    block_table)
+                                    block_table, key, value)
     G = Hq // Hkv
+    fused = key is not None
     if plan is None:
         qsl_h = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.cpu()
         sl_h = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu()
         plan = make_device_plan(qsl_h, sl_h, num_kv_heads=Hkv, group_size=G, page_size=P,
-                                head_dim=D, device=q.device)
+                                head_dim=D, device=q.device, fresh_kv=fused)
+    plan_fresh = getattr(plan, "fresh_kv", None)
+    if plan_fresh is not None and plan_fresh != fused:
+        raise ValueError("plan kind does not match the call: key/value given needs a "
+                         "fresh_kv=True plan, a call without them a fresh_kv=False plan")
     if T == 0:
         return out
     variant = variant_for(q.dtype, D, G, P)
-    _compiled(variant)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-                       plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
-                       plan.partial_lse, G, softmax_scale * 1.4426950408889634, plan.num_ctas)
+    if fused:
+        _compiled_fused(variant)(q, key, value, k_cache, v_cache, out, query_start_loc,
+                                 seq_lens, block_table, plan.work, plan.cta_offsets,
+                                 plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
+                                 softmax_scale * 1.4426950408889634, plan.num_ctas)
+    else:
+        _compiled(variant)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                           plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
+                           plan.partial_lse, G, softmax_scale * 1.4426950408889634,
+                           plan.num_ctas)
     if plan.always_combine or plan.num_groups > 0:
         _compiled_combine(variant)(out, query_start_loc, plan.combine, plan.partial_o,
                                    plan.partial_lse, G, plan.num_ctas)
@@ -301,12 +395,15 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 
 
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
-               page_size: int, slot_dtype=torch.int64) -> None:
+               page_size: int, slot_dtype=torch.int64, fused: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
-    kv_append.  Call it before CUDA-graph capture, so no compilation happens inside it."""
+    kv_append, plus the fused-writeback attention when ``fused``.  Call it before CUDA-graph
+    capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
     variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size)
     _compiled(variant)
+    if fused:
+        _compiled_fused(variant)
     _compiled_combine(variant)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

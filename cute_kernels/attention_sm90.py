@@ -24,6 +24,22 @@ Two CTAs share an SM (``setmaxnreg`` 24 / 232), so one CTA's softmax also hides 
 other's MMAs.
 Split-KV items (work col 7 > 1, ``partial_offsets[item] >= 0``) write their O / l in fp32 and
 their log2-sum-exp to a workspace instead; ``combine_sm90.py`` merges the splits exactly.
+
+Fused KV writeback (``fresh_kv=True``, entry point ``IonAttentionSm90.fused``; with False
+the generated code is exactly the plain kernel above).  Work cols 4/5 then index KV *units*
+(planner ``fresh_kv=True``): with ``ctx = seq_len - q_len`` (tokens cached before this step)
+units ``0 .. n_old-1`` (``n_old = ceil(ctx / P)``) are cache pages, loaded as above, and unit
+``n_old + k`` is *fresh tile* k: key positions ``ctx + k*P ..``, loaded by TMA straight from
+the step's new K/V (``[T, Hkv, D]``, rows ``qsl[b] + k*P ..``; rows past T are zero-filled).
+Masks: old-page keys are valid iff ``< ctx``, fresh keys iff ``<=`` the query's position.
+The one item owning fresh tile k (``planner.fresh_tile_owned``: its q tile holds new token
+``min(k*P + P-1, q_len-1)``) has the producer wait on the stage's full barrier and TMA-store
+the K and V tiles from shared memory into the cache: page ``pos // P`` at row offset
+``pos % P`` and, when valid rows reach past it, the next page at row offset ``pos % P - P``
+(``pos = ctx + k*P``; rows outside the page are clipped by the TMA bounds).  Before a stage
+is refilled the producer waits for the store that read it (``cp.async.bulk.wait_group.read``)
+and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
+region from the cache, so there is no cross-CTA ordering.
 """
 
 from __future__ import annotations
@@ -51,7 +67,8 @@ class IonAttentionSm90:
     """
 
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
-                 kv_stages: int = 2, q_stages: int = 2, ctas_per_sm: int = 2):
+                 kv_stages: int = 2, q_stages: int = 2, ctas_per_sm: int = 2,
+                 fresh_kv: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -71,6 +88,16 @@ class IonAttentionSm90:
         self.ctas_per_sm = ctas_per_sm
         self.producer_regs = 24
         self.consumer_regs = 232 if ctas_per_sm == 2 else 240
+        # fused KV writeback (docs/contract.md, "Fused KV writeback"): work cols 4/5 are KV
+        # units, fresh tiles are read from the step's new K/V and TMA-stored into the cache.
+        # Compile-time: with False the generated code is the plain paged-attention kernel.
+        self.fresh_kv = bool(fresh_kv)
+        if self.fresh_kv:
+            # the writeback producer keeps the unit / ownership state of an item live:
+            # with 24 (or 32) registers ptxas spills it to local memory (D = 64 variants),
+            # 40 / 216 compiles every variant spill-free (tests/test_fused_writeback_cpu.py)
+            self.producer_regs = 40
+            self.consumer_regs = 216 if ctas_per_sm == 2 else 240
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -93,6 +120,64 @@ class IonAttentionSm90:
         num_ctas: cutlass.Int32,
         stream,
     ):
+        if cutlass.const_expr(self.fresh_kv):
+            raise TypeError("a fresh_kv IonAttentionSm90 is compiled through .fused(...)")
+        self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
+                   mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
+                   num_ctas, stream, None, None)
+
+    @cute.jit
+    def fused(
+        self,
+        mQ: cute.Tensor,          # [T, Hq, D]
+        mKey: cute.Tensor,        # [T, Hkv, D]: the step's new K, rows aligned with mQ
+        mValue: cute.Tensor,      # [T, Hkv, D]: the step's new V
+        mK: cute.Tensor,          # [NB, Hkv, P, D] (view): new K rows are written here
+        mV: cute.Tensor,          # [NB, Hkv, P, D] (view): new V rows are written here
+        mO: cute.Tensor,
+        mQSL: cute.Tensor,
+        mSeqLens: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mWork: cute.Tensor,       # int32 [N, 8], cols 4/5 = KV units (planner fresh_kv=True)
+        mOffsets: cute.Tensor,
+        mPartialOffsets: cute.Tensor,
+        mOPartial: cute.Tensor,
+        mLsePartial: cute.Tensor,
+        group_size: cutlass.Int32,
+        softmax_scale_log2: cutlass.Float32,
+        num_ctas: cutlass.Int32,
+        stream,
+    ):
+        """Attention + eager KV writeback in one launch (``fresh_kv=True`` only)."""
+        if cutlass.const_expr(not self.fresh_kv):
+            raise TypeError("IonAttentionSm90.fused needs fresh_kv=True")
+        self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
+                   mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
+                   num_ctas, stream, mKey, mValue)
+
+    @cute.jit
+    def _host(
+        self,
+        mQ: cute.Tensor,          # [T, Hq, D]
+        mK: cute.Tensor,          # [NB, Hkv, P, D] (view)
+        mV: cute.Tensor,          # [NB, Hkv, P, D] (view)
+        mO: cute.Tensor,          # [T, Hq, D]
+        mQSL: cute.Tensor,        # int32 [B+1]
+        mSeqLens: cute.Tensor,    # int32 [B]
+        mBlockTable: cute.Tensor,  # int32 [B, max_pages]
+        mWork: cute.Tensor,       # int32 [N, 8]
+        mOffsets: cute.Tensor,    # int32 [C+1]
+        mPartialOffsets: cute.Tensor,  # int32 [N]: first partial row of a split item, -1 if unsplit
+        mOPartial: cute.Tensor,   # fp32 [R, D]: split-KV partial outputs (normalised by own l)
+        mLsePartial: cute.Tensor,  # fp32 [R]: split-KV partial log2-sum-exp (scaled units)
+        group_size: cutlass.Int32,
+        softmax_scale_log2: cutlass.Float32,
+        num_ctas: cutlass.Int32,
+        stream,
+        mKey,
+        mValue,
+    ):
+        """Host body shared by ``__call__`` and ``fused`` (inlined into either at trace time)."""
         dt = self.dtype
         D = self.head_dim
         P = self.page
@@ -144,6 +229,38 @@ class IonAttentionSm90:
             cpasync.CopyBulkTensorTileG2SOp(), v_view,
             cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
 
+        fresh_args = ()
+        if cutlass.const_expr(self.fresh_kv):
+            # new K as (token, d, head): a (P, D) box at token row tok of head h is fresh
+            # tile rows tok .. tok+P-1 (rows past T are zero-filled by TMA)
+            kf_view = cute.make_tensor(
+                mKey.iterator,
+                cute.make_layout((mKey.shape[0], D, mKey.shape[1]),
+                                 stride=(mKey.stride[0], 1, mKey.stride[1])),
+            )
+            # new V as (d, token, head), MN-major like the V pages
+            vf_view = cute.make_tensor(
+                mValue.iterator,
+                cute.make_layout((D, mValue.shape[0], mValue.shape[1]),
+                                 stride=(1, mValue.stride[0], mValue.stride[1])),
+            )
+            tma_kf, tma_tensor_kf = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), kf_view,
+                cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+            tma_vf, tma_tensor_vf = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), vf_view,
+                cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+            # writeback: the same smem tiles stored into cache pages (row offset per store;
+            # rows outside the page [0, P) are clipped by the TMA bounds of the row mode)
+            tma_ks, tma_tensor_ks = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), k_view,
+                cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+            tma_vs, tma_tensor_vs = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), v_view,
+                cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+            fresh_args = (tma_kf, tma_tensor_kf, tma_vf, tma_tensor_vf,
+                          tma_ks, tma_tensor_ks, tma_vs, tma_tensor_vs)
+
         self.q_bytes = cute.size_in_bytes(dt, q_smem_one)
         self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(k_smem_staged, (None, None, 0)))
 
@@ -162,7 +279,7 @@ class IonAttentionSm90:
             qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
             mLsePartial, group_size, softmax_scale_log2,
-            q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged,
+            q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -199,6 +316,14 @@ class IonAttentionSm90:
         q_smem_box: cute.ComposedLayout,
         k_smem_staged: cute.ComposedLayout,
         v_smem_staged: cute.ComposedLayout,
+        tma_kf: cute.CopyAtom = None,     # fresh_kv only: new K / V loads, cache stores
+        mKf_tma: cute.Tensor = None,
+        tma_vf: cute.CopyAtom = None,
+        mVf_tma: cute.Tensor = None,
+        tma_ks: cute.CopyAtom = None,
+        mKs_tma: cute.Tensor = None,
+        tma_vs: cute.CopyAtom = None,
+        mVs_tma: cute.Tensor = None,
     ):
         D = self.head_dim
         P = self.page
@@ -243,6 +368,11 @@ class IonAttentionSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
+                if cutlass.const_expr(self.fresh_kv):
+                    cpasync.prefetch_descriptor(tma_kf)
+                    cpasync.prefetch_descriptor(tma_vf)
+                    cpasync.prefetch_descriptor(tma_ks)
+                    cpasync.prefetch_descriptor(tma_vs)
                 gK = cute.flat_divide(mK_tma, (P, D))        # (P, D, 1, 1, Hkv, NB)
                 gV = cute.flat_divide(mV_tma, (D, P))        # (D, P, 1, 1, Hkv, NB)
                 tKsK, tKgK = cpasync.tma_partition(
@@ -268,14 +398,91 @@ class IonAttentionSm90:
                     q_handle = q_prod.acquire_and_advance()
                     cute.copy(tma_q, tQgQ, tQsQ[(None, q_handle.index)],
                               tma_bar_ptr=q_handle.barrier)
-                    for p in cutlass.range(p0, p1, 1, unroll=1):
-                        page = mBlockTable[b, p]
-                        k_handle = k_prod.acquire_and_advance()
-                        cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
-                                  tKsK[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
-                        v_handle = v_prod.acquire_and_advance()
-                        cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
-                                  tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
+                    if cutlass.const_expr(not self.fresh_kv):
+                        for p in cutlass.range(p0, p1, 1, unroll=1):
+                            page = mBlockTable[b, p]
+                            k_handle = k_prod.acquire_and_advance()
+                            cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
+                                      tKsK[(None, k_handle.index)], tma_bar_ptr=k_handle.barrier)
+                            v_handle = v_prod.acquire_and_advance()
+                            cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
+                                      tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
+                    else:
+                        # fused writeback (see the class docstring): old pages from the
+                        # cache, fresh tile k (unit n_old + k) = new K/V rows qsl[b] + k*P ..;
+                        # an owned fresh tile (planner.fresh_tile_owned) is TMA-stored from
+                        # its stage into the cache.  Bulk groups: one commit per unit (empty
+                        # when nothing is stored); a stage is refilled only after the store
+                        # issued from it kv_stages units earlier has finished reading smem.
+                        S = self.kv_stages
+                        q_cnt = mWork[it, W_QLEN]
+                        tok_base = mQSL[b]
+                        q_len = mQSL[b + 1] - tok_base
+                        seq_len = mSeqLens[b]
+                        ctx = seq_len - q_len
+                        n_old = (ctx + P - 1) // P
+                        for u in cutlass.range(p0, p1, 1, unroll=1):
+                            cute.arch.cp_async_bulk_wait_group(S - 1, read=True)
+                            if u < n_old:
+                                page = mBlockTable[b, u]
+                                k_handle = k_prod.acquire_and_advance()
+                                cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
+                                          tKsK[(None, k_handle.index)],
+                                          tma_bar_ptr=k_handle.barrier)
+                                v_handle = v_prod.acquire_and_advance()
+                                cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
+                                          tVsV[(None, v_handle.index)],
+                                          tma_bar_ptr=v_handle.barrier)
+                            else:
+                                kt = u - n_old
+                                tok = tok_base + kt * P
+                                gKf = cute.flat_divide(
+                                    cute.domain_offset((tok, 0, 0), mKf_tma), (P, D))
+                                tKsKf, tKgKf = cpasync.tma_partition(
+                                    tma_kf, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                    cute.group_modes(gKf, 0, 2))
+                                gVf = cute.flat_divide(
+                                    cute.domain_offset((0, tok, 0), mVf_tma), (D, P))
+                                tVsVf, tVgVf = cpasync.tma_partition(
+                                    tma_vf, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                    cute.group_modes(gVf, 0, 2))
+                                k_handle = k_prod.acquire_and_advance()
+                                cute.copy(tma_kf, tKgKf[(None, 0, 0, h)],
+                                          tKsKf[(None, k_handle.index)],
+                                          tma_bar_ptr=k_handle.barrier)
+                                v_handle = v_prod.acquire_and_advance()
+                                cute.copy(tma_vf, tVgVf[(None, 0, 0, h)],
+                                          tVsVf[(None, v_handle.index)],
+                                          tma_bar_ptr=v_handle.barrier)
+                                # owner: the q tile holding new token min(k*P+P-1, q_len-1)
+                                t_own = cutlass.min(kt * P + P - 1, q_len - 1)
+                                if t_own >= q_start:
+                                    if t_own < q_start + q_cnt:
+                                        pos = ctx + kt * P
+                                        pg = pos // P
+                                        off = pos - pg * P
+                                        # valid rows (positions < seq_len) reach into page
+                                        # pg + 1; never touch a page past the request's last
+                                        two = cutlass.min(pos + P, seq_len) > (pg + 1) * P
+                                        page1 = mBlockTable[b, pg]
+                                        page2 = page1
+                                        if two:
+                                            page2 = mBlockTable[b, pg + 1]
+                                        # wait for the tile on the full-barrier phase the
+                                        # consumer waits on (waiting does not consume it),
+                                        # then store it from smem
+                                        cute.arch.mbarrier_wait(k_handle.barrier,
+                                                                (k_handle.count // S) % 2)
+                                        self._store_tile(tma_ks, mKs_tma, sK, k_handle.index,
+                                                         (P, D), 0, off, h, page1, page2, two)
+                                        cute.arch.mbarrier_wait(v_handle.barrier,
+                                                                (v_handle.count // S) % 2)
+                                        self._store_tile(tma_vs, mVs_tma, sV, v_handle.index,
+                                                         (D, P), 1, off, h, page1, page2, two)
+                            cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.fresh_kv):
+                    # every writeback store has finished before the CTA (and its smem) exits
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
         else:
             # ------------------------------------------------------------ consumer
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
@@ -311,6 +518,12 @@ class IonAttentionSm90:
                 q_len = mQSL[b + 1] - mQSL[b]
                 # absolute position of the tile's first token
                 pos0 = seq_len - q_len + q_start
+                ctx = 0
+                n_old = 0
+                if cutlass.const_expr(self.fresh_kv):
+                    # units < n_old are cache pages, the rest fresh tiles
+                    ctx = seq_len - q_len
+                    n_old = (ctx + P - 1) // P
 
                 row_max[0] = -cutlass.Float32.inf
                 row_max[1] = -cutlass.Float32.inf
@@ -324,7 +537,10 @@ class IonAttentionSm90:
                 self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_handle.index, k_handle.index)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
-                self._mask(acc_s, tScS, p0 * P, pos0, seq_len)
+                if cutlass.const_expr(self.fresh_kv):
+                    self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len)
+                else:
+                    self._mask(acc_s, tScS, p0 * P, pos0, seq_len)
                 self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                 rP_as_s.store(acc_s.load().to(self.dtype))
                 # steady state: S_p = Q K_p^T runs on the tensor cores while the softmax of the
@@ -336,7 +552,10 @@ class IonAttentionSm90:
                     self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
-                    self._mask(acc_s, tScS, p * P, pos0, seq_len)
+                    if cutlass.const_expr(self.fresh_kv):
+                        self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len)
+                    else:
+                        self._mask(acc_s, tScS, p * P, pos0, seq_len)
                     self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                     cute.nvgpu.warpgroup.wait_group(0)
                     v_handle.release()
@@ -399,6 +618,50 @@ class IonAttentionSm90:
                 qpos = pos0 + tScS[e][0] // self.group_pad
                 if kv > cutlass.min(qpos, seq_len - 1):
                     acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len):
+        """fresh_kv masking of KV unit ``u``.  Old page ``u < n_old``: key position
+        ``u*P + c`` is valid iff ``< ctx`` (every query sits at >= ctx, so causality holds;
+        the cache rows >= ctx are this step's and may be mid-writeback).  Fresh tile
+        ``k = u - n_old``: key position ``ctx + k*P + c`` is valid iff ``<=`` the query's
+        position (causal; also drops rows of the next request, which sit past seq_len)."""
+        kv0 = u * self.page
+        lim = ctx - 1
+        if u >= n_old:
+            kv0 = ctx + (u - n_old) * self.page
+            lim = seq_len - 1
+        if kv0 + self.page - 1 > cutlass.min(pos0, lim):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                kv = kv0 + tScS[e][1]
+                qpos = pos0 + tScS[e][0] // self.group_pad
+                if kv > cutlass.min(qpos, lim):
+                    acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _store_tile(self, tma_s, mS_tma, s_tile, stage, box, row_mode: cutlass.Constexpr,
+                    off, h, page1, page2, two):
+        """TMA-store smem stage ``stage`` (a K or V tile) at row offset ``off`` of page
+        ``page1`` and, if ``two``, at row offset ``off - P`` of ``page2``.  One elected
+        thread issues it (the bulk-group state is per thread)."""
+        P = self.page
+        o1 = [0, 0, 0, 0]
+        o1[row_mode] = off
+        g1 = cute.flat_divide(cute.domain_offset(tuple(o1), mS_tma), box)
+        ts1, tg1 = cpasync.tma_partition(
+            tma_s, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
+            cute.group_modes(g1, 0, 2))
+        with cute.arch.elect_one():
+            cute.copy(tma_s, ts1[(None, stage)], tg1[(None, 0, 0, h, page1)])
+        if two:
+            o2 = [0, 0, 0, 0]
+            o2[row_mode] = off - P
+            g2 = cute.flat_divide(cute.domain_offset(tuple(o2), mS_tma), box)
+            ts2, tg2 = cpasync.tma_partition(
+                tma_s, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
+                cute.group_modes(g2, 0, 2))
+            with cute.arch.elect_one():
+                cute.copy(tma_s, ts2[(None, stage)], tg2[(None, 0, 0, h, page2)])
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):

@@ -30,6 +30,9 @@ __all__ = [
     "WORK_COLS",
     "COMBINE_COLS",
     "next_pow2",
+    "kv_units",
+    "fresh_tile_owned",
+    "fresh_writeback_items",
     "plan",
     "pack_plan",
     "worst_case_items",
@@ -52,6 +55,49 @@ def next_pow2(x: int) -> int:
     if x < 1:
         raise ValueError(f"next_pow2 needs x >= 1, got {x}")
     return 1 << (x - 1).bit_length()
+
+
+def kv_units(ctx, last_new_token, page_size: int = 64):
+    """Fused-writeback (``fresh_kv``) KV units a q tile reads: the ``ceil(ctx / P)`` old
+    pages of the cache (positions < ``ctx`` = tokens cached before this step), then the
+    fresh tiles 0 ..= ``last_new_token // P`` (fresh tile ``k`` = new tokens
+    ``k*P .. k*P+P-1`` of the request, positions ``ctx + k*P ..``), where
+    ``last_new_token`` is the tile's last new token relative to the request's first."""
+    ctx = np.asarray(ctx, dtype=np.int64)
+    last = np.asarray(last_new_token, dtype=np.int64)
+    return -(-ctx // page_size) + last // page_size + 1
+
+
+def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64):
+    """Writeback ownership rule of the fused kernel (``attention_sm90`` uses the same test):
+    fresh tile ``k`` of (request, KV head) is written to the cache by the item whose q tile
+    (new tokens ``q_start .. q_start + q_cnt - 1``) holds new token
+    ``min(k*P + P - 1, q_len - 1)`` and whose unit range holds unit ``n_old + k``.  Every
+    q tile holding that token needs tile ``k``, and split-KV gives each unit of a q tile
+    to exactly one split, so each fresh tile has exactly one owner.  Vectorized; the unit
+    range test is the caller's (the kernel asks only for units it processes)."""
+    t = np.minimum(np.asarray(k, dtype=np.int64) * page_size + page_size - 1,
+                   np.asarray(q_len, dtype=np.int64) - 1)
+    q_start = np.asarray(q_start, dtype=np.int64)
+    return (t >= q_start) & (t < q_start + np.asarray(q_cnt, dtype=np.int64))
+
+
+def fresh_writeback_items(work, query_start_loc, seq_lens, page_size: int = 64) -> np.ndarray:
+    """``int64 [m, 4]`` rows (item, request, KV head, fresh tile k): every fresh tile that
+    item of a ``fresh_kv`` work list writes back to the cache, in item order."""
+    w = np.asarray(work, dtype=np.int64).reshape(-1, WORK_COLS)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    sl = np.asarray(seq_lens, dtype=np.int64)
+    b = w[:, 0]
+    q_len = qsl[b + 1] - qsl[b]
+    n_old = -(-(sl[b] - q_len) // page_size)
+    k0 = np.maximum(w[:, 4] - n_old, 0)
+    k1 = np.maximum(w[:, 5] - n_old, 0)
+    cnt = np.where(w[:, 3] > 0, k1 - k0, 0)  # all-zero padding rows own nothing
+    item = np.repeat(np.arange(w.shape[0], dtype=np.int64), cnt)
+    k = np.arange(item.shape[0], dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + k0[item]
+    own = fresh_tile_owned(w[item, 2], w[item, 3], q_len[item], k, page_size)
+    return np.stack([item[own], b[item][own], w[item, 1][own], k[own]], axis=1).reshape(-1, 4)
 
 
 @dataclass(frozen=True)
@@ -140,6 +186,9 @@ class Plan:
     partial_offsets: np.ndarray  # int32 [n_items], first partial row of a split item, -1 if unsplit
     combine: np.ndarray  # int32 [n_groups, 6]: b, h, tok0, ntok, num_splits, partial row base
     modeled_us: float  # max(cta_cost) + combine pass (if any split)
+    # True: cols 4/5 index KV *units* (old pages, then fresh tiles) for the fused
+    # writeback kernel (docs/contract.md, "Fused KV writeback"); False: cache pages.
+    fresh_kv: bool = False
 
     @property
     def n_items(self) -> int:
@@ -263,7 +312,7 @@ def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
     return tile, sidx, p0, p1
 
 
-def _empty_plan(num_ctas: int) -> Plan:
+def _empty_plan(num_ctas: int, fresh_kv: bool = False) -> Plan:
     return Plan(
         work=np.zeros((0, WORK_COLS), dtype=np.int32),
         cta_offsets=np.zeros(num_ctas + 1, dtype=np.int32),
@@ -274,6 +323,7 @@ def _empty_plan(num_ctas: int) -> Plan:
         partial_offsets=np.zeros(0, dtype=np.int32),
         combine=np.zeros((0, COMBINE_COLS), dtype=np.int32),
         modeled_us=0.0,
+        fresh_kv=fresh_kv,
     )
 
 
@@ -295,8 +345,14 @@ def plan(
     max_splits: int = 16,
     cost_model: CostModel | None = None,
     max_partial_rows: int | None = None,
+    fresh_kv: bool = False,
 ) -> Plan:
-    """Build the phantom-free, cost-balanced work list (see module docstring)."""
+    """Build the phantom-free, cost-balanced work list (see module docstring).
+
+    ``fresh_kv=True`` plans for the fused-writeback kernel: work cols 4/5 then index KV
+    *units* instead of cache pages (``kv_units``): a q tile reads the request's
+    ``ceil(ctx / P)`` old pages plus the fresh tiles its tokens need.
+    """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
     group_size = int(group_size)
@@ -327,7 +383,7 @@ def plan(
         bad = int(np.flatnonzero(live & (sl < q_len))[0])
         raise ValueError(f"seq_lens[{bad}]={int(sl[bad])} < q_len={int(q_len[bad])}")
     if not np.any(live):
-        return _empty_plan(num_ctas)
+        return _empty_plan(num_ctas, fresh_kv)
     if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise OverflowError("sequence lengths / token counts must fit in int32")
 
@@ -342,8 +398,12 @@ def plan(
     tok0 = (k % ntr) * tpt
     ql = q_len[req]
     ntok = np.minimum(tpt, ql - tok0)
-    last_pos = sl[req] - ql + tok0 + ntok - 1  # absolute position of the tile's last token
-    n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
+    if fresh_kv:
+        # old pages 0 .. ceil(ctx / P) - 1, then fresh tiles 0 .. (last new token) // P
+        n_pages = kv_units(sl[req] - ql, tok0 + ntok - 1, page_size)
+    else:
+        last_pos = sl[req] - ql + tok0 + ntok - 1  # absolute position of the tile's last token
+        n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
     rows = ntok * gp
 
     # ---- per-tile cost pieces (tables over ntok = 0 .. tpt, then gathered) --------------
@@ -466,6 +526,7 @@ def plan(
         partial_offsets=poff,
         combine=combine,
         modeled_us=float(cta_cost.max()) + comb_us,
+        fresh_kv=bool(fresh_kv),
     )
 
 
@@ -552,9 +613,11 @@ def worst_case_items(
     page_size: int = 64,
     tile_m: int = 64,
     max_splits: int = 16,
+    fresh_kv: bool = False,
 ) -> int:
     """Upper bound on ``plan(...).n_items`` over every batch with <= max_num_reqs requests,
     <= max_num_tokens new tokens in total and seq_lens <= max_model_len.
+    With ``fresh_kv`` a tile reads ceil(ctx / P) + ceil(q / P) <= ceil(L / P) + 1 units.
 
     q tiles: a request with q new tokens has ceil(q / tpt) <= (q + tpt - 1) / tpt tiles and
     at most min(max_num_reqs, max_num_tokens) requests are non-empty, so
@@ -569,5 +632,5 @@ def worst_case_items(
         raise ValueError("tile_m smaller than Gp")
     r = min(int(max_num_reqs), t)
     tiles = min(t, (t + r * (tpt - 1)) // tpt)
-    max_pages = -(-int(max_model_len) // int(page_size))
+    max_pages = -(-int(max_model_len) // int(page_size)) + (1 if fresh_kv else 0)
     return tiles * int(num_kv_heads) * max(1, min(int(max_splits), max_pages))
