@@ -53,6 +53,10 @@ Q_TILE_ROWS = 64
 WORK_COLS = 8
 
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
+#: opt-in: ``ION_FUSED_KV_WRITEBACK=1`` writes the step's K/V inside the attention launch
+#: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
+#: separate ``kv_append`` launch.  Off by default until the H200 sweep validates it.
+FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
 
@@ -107,6 +111,13 @@ def fault_block_table(block_table: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- builder
+def fused_kv_writeback() -> bool:
+    v = os.environ.get(FUSED_KV_ENV, "0").strip().lower()
+    if v not in ("0", "1", "", "false", "true"):
+        raise ValueError(f"{FUSED_KV_ENV}={v!r}: use 1 (fused KV writeback) or 0")
+    return v in ("1", "true")
+
+
 def batch_invariant_mode() -> bool:
     import vllm.envs as envs
 
@@ -147,6 +158,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             # for batch-invariant numerics (see IonAttentionBackend.supports_batch_invariance)
             logger.info("ION: VLLM_BATCH_INVARIANT=1, planning without split-KV")
             self.allow_split = False
+        #: fused KV writeback: the plan indexes KV units (cache pages + fresh tiles)
+        self.fresh_kv = fused_kv_writeback()
+        if self.fresh_kv:
+            logger.info_once("ION: fused KV writeback (%s=1)", FUSED_KV_ENV)
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
@@ -184,7 +199,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.item_capacity = max(1, planner.worst_case_items(
             self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
             self.num_kv_heads, self.group_size, page_size=self.page_size,
-            tile_m=Q_TILE_ROWS, max_splits=self.max_splits if self.allow_split else 1))
+            tile_m=Q_TILE_ROWS, max_splits=self.max_splits if self.allow_split else 1,
+            fresh_kv=self.fresh_kv))
         # split groups are (request, head, q tile) tiles: bounded by the unsplit item count
         self.group_capacity = max(1, planner.worst_case_items(
             self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
@@ -202,7 +218,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             from cute_kernels.attention import precompile
 
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
-                       self.num_kv_heads, self.page_size)
+                       self.num_kv_heads, self.page_size, fused=self.fresh_kv)
 
     # ------------------------------------------------------------------ planning
     def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
@@ -212,7 +228,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             page_size=self.page_size, num_ctas=self.num_ctas, tile_m=Q_TILE_ROWS,
             allow_split=self.allow_split, max_splits=self.max_splits,
-            max_partial_rows=self.partial_rows)
+            max_partial_rows=self.partial_rows, fresh_kv=self.fresh_kv)
 
     @staticmethod
     def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
@@ -446,6 +462,11 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        if kv_sharing_target_layer_name is not None and fused_kv_writeback():
+            raise ValueError(
+                f"ION: {FUSED_KV_ENV}=1 reads each step's K/V from the layer's own key/value, "
+                f"but layer shares the KV cache of {kv_sharing_target_layer_name!r}; unset "
+                f"{FUSED_KV_ENV}")
         fault = os.environ.get(FAULT_INJECT_ENV, "")
         if fault not in ("", FAULT_SWAP_KV_PAGE):
             raise ValueError(f"{FAULT_INJECT_ENV}={fault!r}: the only test fault is "
@@ -484,7 +505,22 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         n = attn_metadata.num_actual_tokens
         k_cache = kv_cache[:, 0]
         v_cache = kv_cache[:, 1]
-        if self.kv_sharing_target_layer_name is None and key is not None:
+        writes_kv = self.kv_sharing_target_layer_name is None and key is not None
+        if attn_metadata.plan.fresh_kv:
+            # fused KV writeback: the plan's units read this step's K/V from key/value, so
+            # they must be passed even when this layer shares another layer's cache
+            if not writes_kv:
+                raise NotImplementedError(
+                    f"{FUSED_KV_ENV}=1 does not support KV-sharing layers; unset it")
+            # the kernel writes through the block table at positions seq_len - q_len ..,
+            # which is what vLLM's slot_mapping holds for these rows
+            kernels.ion_attention(
+                query[:n], k_cache, v_cache, output[:n],
+                attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                self.kernel_block_table(attn_metadata), self.scale,
+                plan=attn_metadata.plan, key=key[:n], value=value[:n])
+            return output
+        if writes_kv:
             kernels.kv_append(key[:n], value[:n], k_cache, v_cache,
                               attn_metadata.slot_mapping[:n])
         # q may be a strided view of the fused qkv projection: the kernel reads it by TMA

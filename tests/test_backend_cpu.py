@@ -228,9 +228,20 @@ def reference_kernels(calls):
         calls.append(("kv_append", key.shape[0]))
         reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
 
-    def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None):
-        calls.append(("ion_attention", q.shape[0], plan))
+    def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None,
+                      key=None, value=None):
         rows = int(qsl[-1])
+        if key is not None:  # fused KV writeback: the launch itself writes the new K/V
+            from cute_kernels.reference import new_token_slot_mapping
+
+            assert plan.fresh_kv, "fused call with a page plan"
+            calls.append(("ion_attention+kv", q.shape[0], plan))
+            slots = new_token_slot_mapping(qsl, seq_lens, block_table, k_cache.shape[2],
+                                           total_q=q.shape[0])
+            reference_kv_append(key, value, k_cache, v_cache, slots)
+        else:
+            assert plan is None or not plan.fresh_kv, "plain call with a fused plan"
+            calls.append(("ion_attention", q.shape[0], plan))
         ref = reference_paged_attention(q[:rows], k_cache, v_cache, qsl, seq_lens,
                                         block_table, scale)
         out[:rows] = ref.to(out.dtype)
@@ -238,11 +249,15 @@ def reference_kernels(calls):
     return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
 
 
-def run_impl_case(make_config, monkeypatch, fault: bool):
+def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False):
     from cute_kernels.reference import make_paged_case, reference_paged_attention
 
     import ion_vllm.backend as backend_mod
 
+    if fused:
+        monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
+    else:
+        monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
     if fault:
         monkeypatch.setenv(FAULT_INJECT_ENV, "swap_kv_page")
     else:
@@ -278,8 +293,13 @@ def run_impl_case(make_config, monkeypatch, fault: bool):
     output = torch.full((n, HQ, D), 7.0, dtype=torch.bfloat16)
     impl.forward(None, query, key, value, kv_cache, md, output)
 
-    assert [c[0] for c in calls] == ["kv_append", "ion_attention"]
-    assert calls[1][2] is md.plan
+    if fused:
+        assert md.plan.fresh_kv and [c[0] for c in calls] == ["ion_attention+kv"]
+        assert calls[0][2] is md.plan
+    else:
+        assert not md.plan.fresh_kv
+        assert [c[0] for c in calls] == ["kv_append", "ion_attention"]
+        assert calls[1][2] is md.plan
     torch.testing.assert_close(kv_cache, truth, rtol=0, atol=0)  # cache writes correct
     rows = int(cm.query_start_loc_cpu[-1])
     assert torch.all(output[rows:] == 7.0)  # padding rows untouched
@@ -291,6 +311,27 @@ def run_impl_case(make_config, monkeypatch, fault: bool):
 def test_impl_writes_cache_then_attends(make_config, monkeypatch):
     out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_kv_writeback_switch_uses_one_launch(make_config, monkeypatch):
+    """ION_FUSED_KV_WRITEBACK=1: the builder plans KV units and forward makes one call that
+    writes the cache and attends (no kv_append); the cache and output are the same."""
+    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, fused=True)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_kv_writeback_env_checks(monkeypatch):
+    import ion_vllm.backend as backend_mod
+
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "maybe")
+    with pytest.raises(ValueError, match="ION_FUSED_KV_WRITEBACK"):
+        backend_mod.fused_kv_writeback()
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
+    with pytest.raises(ValueError, match="shares the KV cache"):
+        IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "0")
+    assert not backend_mod.fused_kv_writeback()
+    IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
 
 
 def test_fault_injection_breaks_attention_of_request_0(make_config, monkeypatch):
