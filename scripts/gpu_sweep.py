@@ -21,6 +21,15 @@ Pass bar: relative error (||out-ref||/||ref|| over written rows) <= --tol
 (1e-2), no NaN in written rows, every row that must not be written (padding rows,
 requests with no work) still NaN, caches bit-equal to the reference append.
 
+``--path fused`` runs the fused-writeback call instead of steps 2-3: no
+``kv_append``; ``ion_attention(..., key=, value=)`` writes the new K/V inside the
+attention launch, and the cache must equal the reference at every position
+< seq_len of every request, with every block no request uses untouched
+(positions past seq_len in a request's last page may hold garbage,
+docs/contract.md).  Every ``--force-split-every``-th case (default 4) is
+planned with a split-friendly cost model, so split-KV and the combine pass run
+on many cases.  Each result records the plan's split items and partial rows.
+
 Writes ``cases.jsonl`` (one line per case) and ``summary.json`` into --out
 (default bench/results/sweep-<date>) and prints a table; exit code 1 if any
 case fails.  ``--fault spare_pages`` deliberately hands the kernel a block table
@@ -248,10 +257,61 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: cost model that makes splitting look cheap: forces split-KV + combine on long rows
+FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
+
+
+def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool):
+    """The device plan for one case (the sweep plans explicitly so it can force splits and
+    record how many items were split)."""
+    import numpy as np
+    import torch
+
+    from cute_kernels.attention import DevicePlan, num_sms
+    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.variants import CTAS_PER_SM
+
+    dev = torch.device(device)
+    sms = num_sms(dev) if dev.type == "cuda" else 132
+    num_ctas = sms * CTAS_PER_SM
+    cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
+    hp = plan(np.asarray(qsl.cpu(), np.int32), np.asarray(sl.cpu(), np.int32),
+              num_kv_heads=case.hkv, group_size=case.g, page_size=PAGE, num_ctas=num_ctas,
+              cost_model=cm, fresh_kv=fresh_kv)
+    dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
+                    partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas,
+                    head_dim=case.d, device=dev)
+    return dp.upload(hp)
+
+
+def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
+    """Fused-path cache check: equal to the reference at every position < seq_len of every
+    request, untouched in every block no request uses; positions >= seq_len of a request's
+    last page are free (the fused kernel may leave garbage there)."""
+    import torch
+
+    check = torch.zeros(kc.shape[0], kc.shape[2], dtype=torch.bool)  # (block, row) to check
+    check[:] = True
+    for b, L in enumerate(seq_lens):
+        n = (L + PAGE - 1) // PAGE
+        if n and L % PAGE:
+            check[int(bt[b, n - 1]), L % PAGE:] = False
+    m = check.to(kc.device)[:, None, :, None].expand_as(kc)
+    used = torch.zeros(kc.shape[0], dtype=torch.bool)
+    for b, L in enumerate(seq_lens):
+        used[bt[b, :(L + PAGE - 1) // PAGE].long().cpu()] = True
+    u = used.to(kc.device)
+    ok_ref = bool(torch.equal(kc[m], ref_k[m]) and torch.equal(vc[m], ref_v[m]))
+    ok_unused = bool(torch.equal(kc[~u], orig_k[~u]) and torch.equal(vc[~u], orig_v[~u]))
+    return ok_ref and ok_unused
+
+
 def run_case(case: SweepCase, device, tol: float, fault: str = "none",
-             impl=None) -> Dict:
+             impl=None, path: str = "append", force_split: bool = False) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
-    ``kv_append`` and ``ion_attention`` (tests inject other implementations)."""
+    ``kv_append`` and ``ion_attention`` (tests inject other implementations).
+    ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
+    and attends)."""
     import torch
     if impl is None:
         import cute_kernels as impl
@@ -275,10 +335,18 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         slots = slots.to(getattr(torch, case.slot_dtype))
         ref_k, ref_v = kc.clone(), vc.clone()
         reference_kv_append(key, value, ref_k, ref_v, slots)
+        fused = path == "fused"
+        plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused)
+        res.update(path=path, forced_split=force_split,
+                   split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
+                   partial_rows=int(plan.host.partial_rows))
 
-        impl.kv_append(key, value, kc, vc, slots)
-        _sync(device)
-        cache_ok = bool(torch.equal(kc, ref_k) and torch.equal(vc, ref_v))
+        if fused:
+            orig_k, orig_v = kc.clone(), vc.clone()
+        else:
+            impl.kv_append(key, value, kc, vc, slots)
+            _sync(device)
+            cache_ok = bool(torch.equal(kc, ref_k) and torch.equal(vc, ref_v))
 
         kernel_bt = bt
         if fault == "spare_pages":
@@ -290,9 +358,16 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         out = torch.full_like(q, float("nan"))
         _sync(device)
         t1 = time.perf_counter()
-        impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale)
+        if fused:
+            impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan,
+                               key=key, value=value)
+        else:
+            impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan)
         _sync(device)
         t_kernel = time.perf_counter() - t1
+        if fused:
+            cache_ok = cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt.cpu(),
+                                     case.seq_lens)
 
         ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
         mask = written_rows_mask(qsl, sl, total_q).to(device)
@@ -355,6 +430,8 @@ def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
         "mean_rel_err": (sum(rels) / len(rels)) if rels else None,
         "by_variant": dict(sorted(by_variant.items())),
         "tag_counts": tag_counts,
+        "cases_with_split_kv": sum(1 for r in results if r.get("split_items", 0) > 0),
+        "split_items": sum(r.get("split_items", 0) for r in results),
         "verdict": "PASS" if not failed else "FAIL",
     }
 
@@ -385,6 +462,11 @@ def parse_args(argv=None):
                     help="never add padding rows after the last request")
     ap.add_argument("--fault", choices=("none", "spare_pages"), default="none",
                     help="inject a fault on the kernel side (every case must fail)")
+    ap.add_argument("--path", choices=("append", "fused"), default="append",
+                    help="append: kv_append then attention (the backend's default); fused: "
+                         "one call writes the cache and attends (ION_FUSED_KV_WRITEBACK=1)")
+    ap.add_argument("--force-split-every", type=int, default=4,
+                    help="plan every N-th case with a split-friendly cost model (0: never)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     ap.add_argument("--quiet", action="store_true", help="no per-case lines")
@@ -411,7 +493,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with open(os.path.join(out_dir, "cases.jsonl"), "w") as f:
         for c in cases:
-            r = run_case(c, device, args.tol, args.fault)
+            fs = args.force_split_every > 0 and c.index % args.force_split_every == (
+                args.force_split_every - 1)
+            r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs)
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -420,9 +504,11 @@ def main(argv=None) -> int:
                 status = "ok  " if r["pass"] else "FAIL"
                 print(f"[{c.index:4d}] {status} {c.dtype[:4]} D{c.d} G{c.g} Hkv{c.hkv} "
                       f"B{len(c.q_lens)} q{c.total_q} kv{c.total_kv} "
+                      f"split={r.get('split_items', 0)} "
                       f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
     summary = summarize(cases, results, args.tol)
-    summary.update(seed=args.seed, fault=args.fault, max_kv_tokens=args.max_kv_tokens,
+    summary.update(seed=args.seed, fault=args.fault, path=args.path,
+                   force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),
                    torch=torch.__version__)

@@ -19,16 +19,19 @@ def _load():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_reduced_sweep_passes(tmp_path):
+@pytest.mark.parametrize("path", ["append", "fused"])
+def test_reduced_sweep_passes(tmp_path, path):
     sw = _load()
     out = tmp_path / "sweep"
-    rc = sw.main(["--cases", "24", "--seed", "1234", "--out", str(out), "--quiet"])
+    rc = sw.main(["--cases", "24", "--seed", "1234", "--out", str(out), "--quiet",
+                  "--path", path])
     summary = json.loads((out / "summary.json").read_text())
     lines = (out / "cases.jsonl").read_text().splitlines()
     assert len(lines) == 24
     bad = [json.loads(x) for x in lines if not json.loads(x)["pass"]]
     assert rc == 0 and summary["verdict"] == "PASS", bad[:3]
     assert summary["passed"] == 24
+    assert summary["path"] == path and summary["cases_with_split_kv"] > 0
     assert summary["max_rel_err"] <= 1e-2
     # all GQA ratios and both head dims were exercised
     assert {k.split("/")[2] for k in summary["by_variant"]} == {"G1", "G4", "G7", "G8"}

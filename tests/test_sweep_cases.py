@@ -114,7 +114,13 @@ def _ref_impl(**overrides):
     from cute_kernels.reference import reference_kv_append, reference_paged_attention, \
         written_rows_mask
 
-    def ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
+    def ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None):
+        if key is not None:  # fused path: this call writes the new K/V itself
+            from cute_kernels.reference import new_token_slot_mapping
+
+            assert plan is not None and plan.fresh_kv
+            reference_kv_append(key, value, kc, vc,
+                                new_token_slot_mapping(qsl, sl, bt, sw.PAGE, q.shape[0]))
         ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
         m = written_rows_mask(qsl, sl, q.shape[0])
         out[m] = ref[m].to(out.dtype)
@@ -187,6 +193,56 @@ def test_run_case_detects_bugs():
             assert r["cache_ok"] is False
         else:
             assert "kernel exploded" in r["error"]
+
+
+def test_fused_path_and_forced_splits_on_cpu():
+    """--path fused with the reference stand-in passes; forced splits really split; the
+    fused cache check ignores slots past seq_len in a request's last page but catches a
+    missing write and a write into a block no request uses."""
+    from cute_kernels.reference import reference_kv_append
+
+    base = _ref_impl()
+    long_case = next(c for c in sw.make_cases(40, 3, max_kv_tokens=6000)
+                     if max(c.seq_lens) >= 700 and 0 < min(q for q in c.q_lens if q) < 4)
+    r = sw.run_case(long_case, "cpu", 1e-2, impl=base, path="fused", force_split=True)
+    assert r["error"] is None, r.get("traceback")
+    assert r["pass"] and r["cache_ok"] and r["path"] == "fused"
+    assert r["split_items"] > 0 and r["partial_rows"] > 0
+    r = sw.run_case(long_case, "cpu", 1e-2, impl=base, path="append", force_split=False)
+    assert r["pass"] and r["forced_split"] is False
+
+    def garbage_past_seq_len(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None,
+                             value=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=plan, key=key,
+                           value=value)
+        for b, L in enumerate(sl.tolist()):
+            if L % sw.PAGE:
+                kc[int(bt[b, (L - 1) // sw.PAGE]), :, L % sw.PAGE:] = 123.0  # allowed
+
+    def skips_writes(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=plan)
+
+    def scribbles_unused_block(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None,
+                               value=None):
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=plan, key=key,
+                           value=value)
+        used = {int(bt[b, i]) for b, L in enumerate(sl.tolist())
+                for i in range((L + sw.PAGE - 1) // sw.PAGE)}
+        spare = next(i for i in range(kc.shape[0]) if i not in used)
+        vc[spare, 0, 0, 0] += 1.0
+
+    def skip_plain(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None):
+        del key, value  # attention on the old cache: the new tokens' K/V are missing
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None)
+
+    ok = sw.run_case(long_case, "cpu", 1e-2, path="fused",
+                     impl=_ref_impl(ion_attention=garbage_past_seq_len))
+    assert ok["pass"], ok
+    for bad in (skips_writes, scribbles_unused_block, skip_plain):
+        r = sw.run_case(long_case, "cpu", 1e-2, path="fused", impl=_ref_impl(ion_attention=bad))
+        assert not r["pass"], bad.__name__
+        assert r["cache_ok"] is False or r["rel_err"] > 1e-2, (bad.__name__, r)
+    del reference_kv_append
 
 
 def test_fault_injection_fails_every_case():
