@@ -53,15 +53,7 @@ def child(cfg: dict) -> dict:
     if cfg["backend"]:
         kw["attention_backend"] = cfg["backend"]
     if cfg["offload"]:
-        from ion_vllm.kv_tier import register_kv_tier
-
-        register_kv_tier()
-        kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-                "cpu_bytes_to_use": int(cfg["host_gib"] * (1 << 30)),
-                "ring_mib": cfg["ring_mib"]}}
+        kw["kv_transfer_config"] = offload_config(cfg)
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
@@ -70,6 +62,22 @@ def child(cfg: dict) -> dict:
         res = llm.generate(prompts, sp, use_tqdm=False)
         outs += [list(o.outputs[0].token_ids) for o in res]
     return {"outputs": outs, "metrics": metric_sums(llm)}
+
+
+def offload_config(cfg: dict) -> dict:
+    """--kv-transfer-config of the run with offloading: the Ion tier, or (``spec:
+    native``) vLLM's own CPUOffloadingSpec with decode blocks stored too, for comparison."""
+    host = int(cfg["host_gib"] * (1 << 30))
+    if cfg.get("spec", "ion") == "native":
+        extra = {"cpu_bytes_to_use": host, "offload_prompt_only": False}
+    else:
+        from ion_vllm.kv_tier import register_kv_tier
+
+        register_kv_tier()
+        extra = {"spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
+                 "cpu_bytes_to_use": host, "ring_mib": cfg["ring_mib"]}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
 
 
 def make_prompts(n: int, vocab: int, prefix_len: int, suffix_len: int, n_prefixes: int,
@@ -121,6 +129,9 @@ def main() -> int:
                     help="a second no-offload run at half concurrency, which must match the "
                          "reference (shows the comparison is batch-free); auto = only when "
                          "the tier run mismatches, to tell corruption from batch variance")
+    ap.add_argument("--spec", choices=("ion", "native"), default="ion",
+                    help="offloading under test: the Ion tier (default) or vLLM's native "
+                         "CPUOffloadingSpec (same host size, decode blocks stored too)")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
 
@@ -139,6 +150,7 @@ def main() -> int:
                 max_num_seqs=args.num_requests, max_tokens=args.max_tokens,
                 waves=args.waves, host_gib=args.host_gib, ring_mib=args.ring_mib,
                 enforce_eager=args.enforce_eager, batch_invariant=not args.no_batch_invariant,
+                spec=args.spec,
                 prompts=make_prompts(args.num_requests, vocab, args.prefix_len,
                                      args.suffix_len, args.n_prefixes))
     print(f"KV pool {kv_bytes/2**20:.1f} MiB for a workload needing {need/2**20:.1f} MiB")
@@ -157,7 +169,7 @@ def main() -> int:
     ext_hits = m.get("vllm:external_prefix_cache_hits", 0.0)
     report = {
         "kv_pool_bytes": kv_bytes, "requests": len(ref["outputs"]),
-        "batch_invariant": not args.no_batch_invariant,
+        "batch_invariant": not args.no_batch_invariant, "spec": args.spec,
         "generated_tokens": sum(len(o) for o in ref["outputs"]),
         "mismatched_requests": mism, "control_mismatched_requests": ctl_mism,
         "preemptions_ion": preempt,

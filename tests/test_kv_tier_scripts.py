@@ -71,3 +71,14 @@ def test_scripts_show_help():
         r = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
                            check=False, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
+
+
+def test_preempt_offload_config_selects_spec():
+    ion = preempt.offload_config({"host_gib": 0.5, "ring_mib": 16})
+    ext = ion["kv_connector_extra_config"]
+    assert ion["kv_connector"] == "OffloadingConnector"
+    assert ext["spec_name"] == "IonKVTierSpec" and ext["cpu_bytes_to_use"] == 1 << 29
+    nat = preempt.offload_config({"host_gib": 0.5, "ring_mib": 16, "spec": "native"})
+    ext = nat["kv_connector_extra_config"]
+    assert "spec_name" not in ext and ext["offload_prompt_only"] is False
+    assert ext["cpu_bytes_to_use"] == 1 << 29
