@@ -52,11 +52,11 @@ KERNEL_BLOCK_SIZE = validation.KERNEL_BLOCK_SIZE
 Q_TILE_ROWS = 64
 WORK_COLS = 8
 
-#: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 #: opt-in: ``ION_FUSED_KV_WRITEBACK=1`` writes the step's K/V inside the attention launch
 #: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
 #: separate ``kv_append`` launch.  Off by default until the H200 sweep validates it.
 FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
+#: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
 
@@ -160,6 +160,12 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             self.allow_split = False
         #: fused KV writeback: the plan indexes KV units (cache pages + fresh tiles)
         self.fresh_kv = fused_kv_writeback()
+        if self.fresh_kv and batch_invariant_mode():
+            # fresh tiles start at the chunk's first new token, so a row's KV tiling (and
+            # its reduction order) would depend on how the request was chunked
+            logger.warning_once("ION: %s=1 ignored under VLLM_BATCH_INVARIANT=1 (fused "
+                                "tiles depend on chunking); using kv_append", FUSED_KV_ENV)
+            self.fresh_kv = False
         if self.fresh_kv:
             logger.info_once("ION: fused KV writeback (%s=1)", FUSED_KV_ENV)
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:

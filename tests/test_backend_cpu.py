@@ -334,6 +334,19 @@ def test_fused_kv_writeback_env_checks(monkeypatch):
     IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
 
 
+def test_fused_kv_writeback_is_off_under_batch_invariance(make_config, monkeypatch):
+    """Fused fresh tiles start at the chunk's first new token, so a row's KV tiling would
+    depend on chunking: under VLLM_BATCH_INVARIANT=1 the builder keeps kv_append + pages."""
+    import ion_vllm.backend as backend_mod
+
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
+    cfg = make_config("--max-num-seqs", "4")
+    assert IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu")).fresh_kv
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.fresh_kv and not b.allow_split
+
+
 def test_fault_injection_breaks_attention_of_request_0(make_config, monkeypatch):
     out, ref, q_lens = run_impl_case(make_config, monkeypatch, fault=True)
     err = (out - ref).abs().amax(dim=(1, 2))
