@@ -9,6 +9,10 @@ Fused KV writeback: ``ion_attention(..., key=, value=)`` runs the ``fresh_kv`` k
 (``IonAttentionSm90(fresh_kv=True).fused``), which reads the step's new K/V from ``key`` /
 ``value`` and TMA-stores them into ``k_cache`` / ``v_cache`` inside the attention launch (no
 ``kv_append``).  It needs a plan made with ``fresh_kv=True`` (docs/contract.md).
+
+Unpacked prefill tiles: a plan made with ``unpacked_prefill=True`` (``DevicePlan.unpacked``)
+runs on the ``IonAttentionSm90(unpacked_prefill=True)`` variant, which also serves the
+packed items of the same plan (work col 8 = -1); default plans keep the default kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .planner import PACKED_WORK_COLS, WORK_COLS
 from .variants import CTAS_PER_SM, Variant, variant_for
 
 _compile_lock = threading.Lock()
@@ -30,7 +35,13 @@ def _cutlass_dtype(dtype):
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[dtype]
 
 
-def _fake_args(variant: Variant):
+def _work_cols(unpacked: bool) -> int:
+    """Work-list width a kernel variant reads: 9 for unpacked_prefill variants, 8 for the
+    packed-only ones (whose generated code then stays that of the 8-column contract)."""
+    return WORK_COLS if unpacked else PACKED_WORK_COLS
+
+
+def _fake_args(variant: Variant, unpacked: bool = False):
     """Fake tensors with symbolic sizes matching the kernel's runtime contract."""
     import cutlass
     import cutlass.cute as cute
@@ -56,7 +67,8 @@ def _fake_args(variant: Variant):
     qsl = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
     seq_lens = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
     block_table = make_fake_tensor(i32, (sym(), sym()), stride=(cute.sym_int64(), 1), assumed_align=4)
-    work = make_fake_tensor(i32, (sym(), 8), stride=(8, 1), assumed_align=16)
+    wc = _work_cols(unpacked)
+    work = make_fake_tensor(i32, (sym(), wc), stride=(wc, 1), assumed_align=16)
     offsets = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
     poff = make_fake_tensor(i32, (sym(),), stride=(1,), assumed_align=4)
     po = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
@@ -66,31 +78,38 @@ def _fake_args(variant: Variant):
             cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1), stream)
 
 
-def make_kernel(variant: Variant):
-    """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``)."""
+def make_kernel(variant: Variant, unpacked: bool = False):
+    """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
+    ``unpacked``: the ``unpacked_prefill`` variant (same arguments)."""
     from .attention_sm90 import IonAttentionSm90
 
+    if unpacked:
+        return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
+                                variant.group_pad, variant.page_size, ctas_per_sm=CTAS_PER_SM,
+                                unpacked_prefill=True)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM)
 
 
-def make_fused_kernel(variant: Variant):
+def make_fused_kernel(variant: Variant, unpacked: bool = False):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
-    method, compiled with ``fused_fake_args(variant)``."""
+    method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
+    ``unpacked_prefill`` variant."""
     from .attention_sm90 import IonAttentionSm90
 
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
-                            variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True).fused
+                            variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
+                            unpacked_prefill=unpacked).fused
 
 
-def fused_fake_args(variant: Variant):
+def fused_fake_args(variant: Variant, unpacked: bool = False):
     """``fake_args`` of the fused kernel: q, key, value, k_cache, v_cache, out, ... where
     key/value are ``[T, Hkv, D]`` with any 16-byte-multiple token/head strides (views of
     the fused qkv projection are read in place)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    args = _fake_args(variant)
+    args = _fake_args(variant, unpacked)
     dt = _cutlass_dtype(variant.dtype)
     D = variant.head_dim
 
@@ -131,20 +150,21 @@ fake_args = _fake_args
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(variant: Variant):
+def _compiled(variant: Variant, unpacked: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_kernel(variant), *fake_args(variant), options="--enable-tvm-ffi")
+        return cute.compile(make_kernel(variant, unpacked), *fake_args(variant, unpacked),
+                            options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_fused(variant: Variant):
+def _compiled_fused(variant: Variant, unpacked: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_fused_kernel(variant), *fused_fake_args(variant),
-                            options="--enable-tvm-ffi")
+        return cute.compile(make_fused_kernel(variant, unpacked),
+                            *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,8 +183,9 @@ def num_sms(device) -> int:
 class _PinnedStage:
     """Pinned host copy of the plan buffers and the event of its last upload."""
 
-    def __init__(self, item_capacity: int, group_capacity: int, num_ctas: int, pin: bool):
-        self.work = torch.zeros((item_capacity, 8), dtype=torch.int32, pin_memory=pin)
+    def __init__(self, item_capacity: int, group_capacity: int, num_ctas: int, pin: bool,
+                 work_cols: int = PACKED_WORK_COLS):
+        self.work = torch.zeros((item_capacity, work_cols), dtype=torch.int32, pin_memory=pin)
         self.cta_offsets = torch.zeros(num_ctas + 1, dtype=torch.int32, pin_memory=pin)
         self.partial_offsets = torch.full((item_capacity,), -1, dtype=torch.int32, pin_memory=pin)
         self.combine = torch.zeros((group_capacity, 6), dtype=torch.int32, pin_memory=pin)
@@ -185,7 +206,8 @@ class DevicePlan:
     """
 
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
-                 num_ctas: int, head_dim: int, device, always_combine: bool = False):
+                 num_ctas: int, head_dim: int, device, always_combine: bool = False,
+                 unpacked: bool = False):
         device = torch.device(device)
         self.device = device
         self.num_ctas = int(num_ctas)
@@ -193,7 +215,10 @@ class DevicePlan:
         self.group_capacity = max(1, int(group_capacity))
         self.partial_rows_capacity = int(partial_rows_capacity)
         self.always_combine = always_combine
-        self.work = torch.zeros((self.item_capacity, 8), dtype=torch.int32, device=device)
+        #: 8 columns for packed-only plans (the default kernels), 9 with unpacked_prefill
+        self.work_cols = _work_cols(unpacked)
+        self.work = torch.zeros((self.item_capacity, self.work_cols), dtype=torch.int32,
+                                device=device)
         self.cta_offsets = torch.zeros(self.num_ctas + 1, dtype=torch.int32, device=device)
         self.partial_offsets = torch.full((self.item_capacity,), -1, dtype=torch.int32,
                                           device=device)
@@ -207,9 +232,12 @@ class DevicePlan:
         # work-list kind of the last uploaded plan: True = KV units for the fused-writeback
         # kernel (planner fresh_kv=True), False = cache pages, None = nothing uploaded yet
         self.fresh_kv = None
+        # True: the last uploaded plan was made with unpacked_prefill=True (it may hold
+        # unpacked items, work col 8 >= 0) and runs on the unpacked_prefill kernel variant
+        self.unpacked = False
         pin = device.type == "cuda"
-        self._stages = [_PinnedStage(self.item_capacity, self.group_capacity, self.num_ctas, pin)
-                        for _ in range(2)]
+        self._stages = [_PinnedStage(self.item_capacity, self.group_capacity, self.num_ctas, pin,
+                                     self.work_cols) for _ in range(2)]
         self._next = 0
 
     def upload(self, host_plan) -> "DevicePlan":
@@ -222,6 +250,9 @@ class DevicePlan:
         if n > self.item_capacity or g > self.group_capacity:
             raise RuntimeError(f"plan ({n} items, {g} split groups) exceeds the device plan "
                                f"capacity ({self.item_capacity}, {self.group_capacity})")
+        if getattr(host_plan, "unpacked", False) and self.work_cols != WORK_COLS:
+            raise RuntimeError("an unpacked_prefill plan needs a DevicePlan(unpacked=True) "
+                               "(9-column work list)")
         if host_plan.partial_rows > self.partial_rows_capacity:
             raise RuntimeError(f"plan needs {host_plan.partial_rows} partial rows, workspace "
                                f"holds {self.partial_rows_capacity}")
@@ -249,17 +280,21 @@ class DevicePlan:
         self.num_groups = g
         self.host = host_plan
         self.fresh_kv = bool(getattr(host_plan, "fresh_kv", False))
+        self.unpacked = bool(getattr(host_plan, "unpacked", False))
         return self
 
 
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,
                      page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
                      allow_split: bool = True, max_splits: int = 16,
-                     fresh_kv: bool = False) -> DevicePlan:
+                     fresh_kv: bool = False, unpacked_prefill: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
-    key=, value=)``); a plan is only valid for the kind of call it was made for."""
+    key=, value=)``); a plan is only valid for the kind of call it was made for.
+    ``unpacked_prefill=True`` tiles long prefill rows of padded GQA groups (G < Gp) one q
+    head x 64 tokens (planner ``unpacked_requests``); ``ion_attention`` then launches the
+    unpacked_prefill kernel variant (``DevicePlan.unpacked``)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -271,10 +306,10 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      np.asarray(seq_lens_cpu, dtype=np.int32),
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
                      num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
-                     fresh_kv=fresh_kv)
+                     fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
-                    head_dim=head_dim, device=device)
+                    head_dim=head_dim, device=device, unpacked=unpacked_prefill)
     return dp.upload(p)
 
 
@@ -378,13 +413,16 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     if T == 0:
         return out
     variant = variant_for(q.dtype, D, G, P)
+    # a plan made with unpacked_prefill=True may hold unpacked items (work col 8 >= 0):
+    # only the unpacked_prefill variant reads col 8 (it runs packed items as the default)
+    unpacked = bool(getattr(plan, "unpacked", False))
     if fused:
-        _compiled_fused(variant)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -395,15 +433,21 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 
 
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
-               page_size: int, slot_dtype=torch.int64, fused: bool = False) -> None:
+               page_size: int, slot_dtype=torch.int64, fused: bool = False,
+               unpacked: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
-    kv_append, plus the fused-writeback attention when ``fused``.  Call it before CUDA-graph
-    capture, so no compilation happens inside it."""
+    kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
+    attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
+    Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
     variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size)
     _compiled(variant)
     if fused:
         _compiled_fused(variant)
+    if unpacked:
+        _compiled(variant, True)
+        if fused:
+            _compiled_fused(variant, True)
     _compiled_combine(variant)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

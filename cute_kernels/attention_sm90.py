@@ -40,6 +40,18 @@ the K and V tiles from shared memory into the cache: page ``pos // P`` at row of
 is refilled the producer waits for the store that read it (``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
 region from the cache, so there is no cross-CTA ordering.
+
+Unpacked prefill tiles (``unpacked_prefill=True``; with False the generated code is the
+kernel above).  Work col 8 (``W_QHEAD``) = -1 marks a packed item as above; g >= 0 marks an
+*unpacked* item: ONE q head ``h * G + g`` times 64 consecutive new tokens (planner
+``unpacked_prefill=True``, used for long prefill rows when G < Gp so no MMA row is GQA
+padding).  The producer loads its Q tile with a second TMA atom, box (1 head, 64 tokens, D)
+of the same (head, token, d) view, into the same smem Q stage (row r = token r); the
+consumer maps row -> token with a runtime shift (``row >> log2(Gp)`` packed, ``row``
+unpacked) for the causal mask and the output store (row r -> token q_start + r, head
+h*G + g; rows past the tile's token count are not stored).  Unpacked items are never split
+(the partial store keeps the packed row layout).  With ``fresh_kv`` too, of the G unpacked
+items holding a fresh tile's owner token only g == 0 stores it (``planner.fresh_tile_owned``).
 """
 
 from __future__ import annotations
@@ -55,8 +67,8 @@ TILE_M = 64
 LOG2_E = 1.4426950408889634
 
 # work-list columns (docs/contract.md)
-W_REQ, W_HEAD, W_QSTART, W_QLEN, W_P0, W_P1, W_SPLIT, W_NSPLIT = range(8)
-WORK_COLS = 8
+W_REQ, W_HEAD, W_QSTART, W_QLEN, W_P0, W_P1, W_SPLIT, W_NSPLIT, W_QHEAD = range(9)
+WORK_COLS = 9
 
 
 class IonAttentionSm90:
@@ -68,7 +80,7 @@ class IonAttentionSm90:
 
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm: int = 2,
-                 fresh_kv: bool = False):
+                 fresh_kv: bool = False, unpacked_prefill: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -98,6 +110,10 @@ class IonAttentionSm90:
             # 40 / 216 compiles every variant spill-free (tests/test_fused_writeback_cpu.py)
             self.producer_regs = 40
             self.consumer_regs = 216 if ctas_per_sm == 2 else 240
+        # unpacked prefill tiles (work col 8 >= 0): a second Q TMA atom (1 head x 64 tokens)
+        # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
+        self.unpacked = bool(unpacked_prefill)
+        self.log2_gp = group_pad.bit_length() - 1
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -222,6 +238,14 @@ class IonAttentionSm90:
             q_smem_one, cute.make_layout((Gp, TPT, D), stride=(1, Gp, TILE_M)))
         tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), q_view, q_smem_box, (Gp, TPT, D))
+        unpacked_args = {}
+        if cutlass.const_expr(self.unpacked):
+            # unpacked Q box: one head x TILE_M tokens, smem row r = token r
+            q_smem_box_u = cute.composition(
+                q_smem_one, cute.make_layout((1, TILE_M, D), stride=(1, 1, TILE_M)))
+            tma_qu, tma_tensor_qu = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), q_view, q_smem_box_u, (1, TILE_M, D))
+            unpacked_args = dict(tma_qu=tma_qu, mQu_tma=tma_tensor_qu, q_smem_box_u=q_smem_box_u)
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), k_view,
             cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
@@ -280,6 +304,7 @@ class IonAttentionSm90:
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
             mLsePartial, group_size, softmax_scale_log2,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
+            **unpacked_args,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -324,6 +349,9 @@ class IonAttentionSm90:
         mKs_tma: cute.Tensor = None,
         tma_vs: cute.CopyAtom = None,
         mVs_tma: cute.Tensor = None,
+        tma_qu: cute.CopyAtom = None,     # unpacked_prefill only: 1 head x 64 tokens Q box
+        mQu_tma: cute.Tensor = None,
+        q_smem_box_u: cute.ComposedLayout = None,
     ):
         D = self.head_dim
         P = self.page
@@ -355,6 +383,16 @@ class IonAttentionSm90:
                                                            stride=cute.cosize(q_smem_box.outer))),
         )
 
+        sQ_box_u = None
+        if cutlass.const_expr(self.unpacked):
+            # (1, TILE_M, D, stages) view of the Q buffer for the unpacked TMA box
+            sQ_box_u = cute.make_tensor(
+                cute.recast_ptr(sQ.iterator, q_smem_box_u.inner),
+                cute.append(q_smem_box_u.outer,
+                            cute.make_layout(self.q_stages,
+                                             stride=cute.cosize(q_smem_box_u.outer))),
+            )
+
         pipeline.pipeline_init_arrive(is_relaxed=True)
         pipeline.pipeline_init_wait()
 
@@ -368,6 +406,8 @@ class IonAttentionSm90:
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
+                if cutlass.const_expr(self.unpacked):
+                    cpasync.prefetch_descriptor(tma_qu)
                 if cutlass.const_expr(self.fresh_kv):
                     cpasync.prefetch_descriptor(tma_kf)
                     cpasync.prefetch_descriptor(tma_vf)
@@ -388,16 +428,40 @@ class IonAttentionSm90:
                     p0 = mWork[it, W_P0]
                     p1 = mWork[it, W_P1]
                     tok0 = mQSL[b] + q_start
-                    # packed Q tile: heads h*G .. h*G+Gp-1, tokens tok0 .. tok0+TPT-1
-                    gQ = cute.local_tile(
-                        cute.domain_offset((h * group_size, tok0, 0), mQ_tma),
-                        (Gp, TPT, D), (0, 0, 0))
-                    tQsQ, tQgQ = cpasync.tma_partition(
-                        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ_box, 0, 3),
-                        cute.group_modes(gQ, 0, 3))
-                    q_handle = q_prod.acquire_and_advance()
-                    cute.copy(tma_q, tQgQ, tQsQ[(None, q_handle.index)],
-                              tma_bar_ptr=q_handle.barrier)
+                    qh = -1
+                    if cutlass.const_expr(not self.unpacked):
+                        # packed Q tile: heads h*G .. h*G+Gp-1, tokens tok0 .. tok0+TPT-1
+                        gQ = cute.local_tile(
+                            cute.domain_offset((h * group_size, tok0, 0), mQ_tma),
+                            (Gp, TPT, D), (0, 0, 0))
+                        tQsQ, tQgQ = cpasync.tma_partition(
+                            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ_box, 0, 3),
+                            cute.group_modes(gQ, 0, 3))
+                        q_handle = q_prod.acquire_and_advance()
+                        cute.copy(tma_q, tQgQ, tQsQ[(None, q_handle.index)],
+                                  tma_bar_ptr=q_handle.barrier)
+                    else:
+                        qh = mWork[it, W_QHEAD]
+                        q_handle = q_prod.acquire_and_advance()
+                        if qh < 0:
+                            gQp = cute.local_tile(
+                                cute.domain_offset((h * group_size, tok0, 0), mQ_tma),
+                                (Gp, TPT, D), (0, 0, 0))
+                            tQsQp, tQgQp = cpasync.tma_partition(
+                                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ_box, 0, 3),
+                                cute.group_modes(gQp, 0, 3))
+                            cute.copy(tma_q, tQgQp, tQsQp[(None, q_handle.index)],
+                                      tma_bar_ptr=q_handle.barrier)
+                        else:
+                            # unpacked Q tile: head h*G + qh, tokens tok0 .. tok0+63
+                            gQu = cute.local_tile(
+                                cute.domain_offset((h * group_size + qh, tok0, 0), mQu_tma),
+                                (1, TILE_M, D), (0, 0, 0))
+                            tQsQu, tQgQu = cpasync.tma_partition(
+                                tma_qu, 0, cute.make_layout(1),
+                                cute.group_modes(sQ_box_u, 0, 3), cute.group_modes(gQu, 0, 3))
+                            cute.copy(tma_qu, tQgQu, tQsQu[(None, q_handle.index)],
+                                      tma_bar_ptr=q_handle.barrier)
                     if cutlass.const_expr(not self.fresh_kv):
                         for p in cutlass.range(p0, p1, 1, unroll=1):
                             page = mBlockTable[b, p]
@@ -456,6 +520,10 @@ class IonAttentionSm90:
                                           tma_bar_ptr=v_handle.barrier)
                                 # owner: the q tile holding new token min(k*P+P-1, q_len-1)
                                 t_own = cutlass.min(kt * P + P - 1, q_len - 1)
+                                if cutlass.const_expr(self.unpacked):
+                                    # G unpacked items hold the owner token: q head 0 stores
+                                    if qh > 0:
+                                        t_own = cutlass.Int32(-1)
                                 if t_own >= q_start:
                                     if t_own < q_start + q_cnt:
                                         pos = ctx + kt * P
@@ -518,6 +586,19 @@ class IonAttentionSm90:
                 q_len = mQSL[b + 1] - mQSL[b]
                 # absolute position of the tile's first token
                 pos0 = seq_len - q_len + q_start
+                # row -> (token, q head): packed rows r = t * Gp + g; unpacked rows r = t
+                shift = None
+                gmask = None
+                head_base = None
+                if cutlass.const_expr(self.unpacked):
+                    qh = mWork[it, W_QHEAD]
+                    head_base = h * group_size
+                    shift = cutlass.Int32(self.log2_gp)
+                    gmask = cutlass.Int32(Gp - 1)
+                    if qh >= 0:
+                        shift = cutlass.Int32(0)
+                        gmask = cutlass.Int32(0)
+                        head_base = head_base + qh
                 ctx = 0
                 n_old = 0
                 if cutlass.const_expr(self.fresh_kv):
@@ -538,9 +619,9 @@ class IonAttentionSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
                 if cutlass.const_expr(self.fresh_kv):
-                    self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len)
+                    self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len, shift)
                 else:
-                    self._mask(acc_s, tScS, p0 * P, pos0, seq_len)
+                    self._mask(acc_s, tScS, p0 * P, pos0, seq_len, shift)
                 self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                 rP_as_s.store(acc_s.load().to(self.dtype))
                 # steady state: S_p = Q K_p^T runs on the tensor cores while the softmax of the
@@ -553,9 +634,9 @@ class IonAttentionSm90:
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
                     if cutlass.const_expr(self.fresh_kv):
-                        self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len)
+                        self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len, shift)
                     else:
-                        self._mask(acc_s, tScS, p * P, pos0, seq_len)
+                        self._mask(acc_s, tScS, p * P, pos0, seq_len, shift)
                     self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                     cute.nvgpu.warpgroup.wait_group(0)
                     v_handle.release()
@@ -573,8 +654,12 @@ class IonAttentionSm90:
                 row0 = tOcO[0][0]
                 poff = mPartialOffsets[it]
                 if poff < 0:
-                    self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
-                                    mQSL[b] + q_start, h * group_size)
+                    if cutlass.const_expr(self.unpacked):
+                        self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
+                                        mQSL[b] + q_start, head_base, shift, gmask)
+                    else:
+                        self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
+                                        mQSL[b] + q_start, h * group_size)
                 else:
                     self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial,
                                         row0, q_cnt, group_size, poff, scale_log2)
@@ -609,18 +694,19 @@ class IonAttentionSm90:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _mask(self, acc_s, tScS, kv0, pos0, seq_len):
+    def _mask(self, acc_s, tScS, kv0, pos0, seq_len, shift=None):
         """-inf where key position > query position (causal) or >= seq_len (ragged tail).
-        Only pages reaching past the tile's first query position can hold masked keys."""
+        Only pages reaching past the tile's first query position can hold masked keys.
+        ``shift`` (unpacked_prefill variant): runtime row -> token shift."""
         if kv0 + self.page - 1 > pos0:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kv = kv0 + tScS[e][1]
-                qpos = pos0 + tScS[e][0] // self.group_pad
+                qpos = pos0 + self._row_token(tScS[e][0], shift)
                 if kv > cutlass.min(qpos, seq_len - 1):
                     acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit
-    def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len):
+    def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len, shift=None):
         """fresh_kv masking of KV unit ``u``.  Old page ``u < n_old``: key position
         ``u*P + c`` is valid iff ``< ctx`` (every query sits at >= ctx, so causality holds;
         the cache rows >= ctx are this step's and may be mid-writeback).  Fresh tile
@@ -634,9 +720,18 @@ class IonAttentionSm90:
         if kv0 + self.page - 1 > cutlass.min(pos0, lim):
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kv = kv0 + tScS[e][1]
-                qpos = pos0 + tScS[e][0] // self.group_pad
+                qpos = pos0 + self._row_token(tScS[e][0], shift)
                 if kv > cutlass.min(qpos, lim):
                     acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _row_token(self, row, shift):
+        """Token of MMA row ``row``: ``row // Gp`` (packed, compile-time) or, in the
+        unpacked_prefill variant, ``row >> shift`` with the item's runtime shift."""
+        if cutlass.const_expr(shift is None):
+            return row // self.group_pad
+        else:
+            return row >> shift
 
     @cute.jit
     def _store_tile(self, tma_s, mS_tma, s_tile, stage, box, row_mode: cutlass.Constexpr,
@@ -696,8 +791,11 @@ class IonAttentionSm90:
             acc_o[e] = acc_o[e] * corr[(e // 2) % 2]
 
     @cute.jit
-    def _store_out(self, acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size, tok_base, head_base):
-        """O / l as 16-bit pairs: elements e, e+1 are columns c, c+1 of one row (4-byte store)."""
+    def _store_out(self, acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size, tok_base, head_base,
+                   shift=None, gmask=None):
+        """O / l as 16-bit pairs: elements e, e+1 are columns c, c+1 of one row (4-byte store).
+        ``shift``/``gmask`` (unpacked_prefill variant): row -> (token row >> shift, head
+        head_base + (row & gmask)); unpacked items pass 0/0 and head_base = h*G + g."""
         mO_pairs = cute.recast_tensor(mO, cutlass.Uint32)   # (T, Hq, D/2)
         pair = cute.make_rmem_tensor((2,), self.dtype)
         pair_word = cute.recast_tensor(pair, cutlass.Uint32)
@@ -705,6 +803,9 @@ class IonAttentionSm90:
             row = row0 + slot * 8
             t_local = row // self.group_pad
             g = row % self.group_pad
+            if cutlass.const_expr(shift is not None):
+                t_local = row >> shift
+                g = row & gmask
             inv = cutlass.Float32(0.0)
             if row_sum[slot] > 0.0:
                 inv = cute.arch.rcp_approx(row_sum[slot])

@@ -16,6 +16,19 @@ Split-KV partial-output layout (shared with the kernel and its combine pass):
     packed MMA row (token ``t`` of the tile, group head ``g``; rows with ``g >= G`` are
     padding and need not be written).  ``Plan.partial_offsets[i]`` is that split's first
     row (``base + s * ntok * Gp``), ``-1`` for unsplit items.
+
+Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col 8 = ``W_QHEAD``):
+  * A packed item (col 8 = -1) is today's q tile: ``tokens_per_tile = tile_m // Gp`` tokens
+    times ``Gp`` q heads.  An unpacked item (col 8 = g >= 0) is ONE q head ``h * G + g`` times
+    ``tile_m`` (64) consecutive new tokens of the request (cols 2/3 in tokens as always), so
+    no MMA row is GQA padding.
+  * Rule: a request is tiled unpacked iff ``G < Gp`` (padding exists), ``q_len >= tile_m``
+    and the cost model (``CostModel.item_us`` summed over the request's tiles of one KV
+    head) rates the G unpacked tilings cheaper than the packed one (e.g. G = 7: q = 64 ->
+    7 tiles instead of 8; q = 65 -> 14 instead of 9, stays packed).  Decode rows and every
+    request with ``G == Gp`` stay packed, so one launch still serves mixed batches.
+  * Unpacked items are never split-KV (split search, partial rows and combine groups are
+    for packed items only); causal pruning is per tile as for packed tiles.
 """
 from __future__ import annotations
 
@@ -28,8 +41,11 @@ __all__ = [
     "DEFAULT_COST_MODEL",
     "Plan",
     "WORK_COLS",
+    "PACKED_WORK_COLS",
     "COMBINE_COLS",
     "next_pow2",
+    "W_QHEAD",
+    "unpacked_requests",
     "kv_units",
     "fresh_tile_owned",
     "fresh_writeback_items",
@@ -38,7 +54,11 @@ __all__ = [
     "worst_case_items",
 ]
 
-WORK_COLS = 8
+WORK_COLS = 9
+#: the default (packed-only) kernels read an 8-column work list: column W_QHEAD exists only
+#: for plans made with unpacked_prefill=True (their kernel variant reads 9 columns)
+PACKED_WORK_COLS = 8
+W_QHEAD = 8  # -1: packed q tile (Gp heads x tokens_per_tile tokens); g >= 0: unpacked q head
 COMBINE_COLS = 6  # b, h, tok0, ntok, num_splits, partial row base
 
 # Only a few of the best split candidates (ranked by a lower bound) are scheduled for real.
@@ -68,18 +88,23 @@ def kv_units(ctx, last_new_token, page_size: int = 64):
     return -(-ctx // page_size) + last // page_size + 1
 
 
-def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64):
+def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64, q_head=None):
     """Writeback ownership rule of the fused kernel (``attention_sm90`` uses the same test):
     fresh tile ``k`` of (request, KV head) is written to the cache by the item whose q tile
     (new tokens ``q_start .. q_start + q_cnt - 1``) holds new token
     ``min(k*P + P - 1, q_len - 1)`` and whose unit range holds unit ``n_old + k``.  Every
     q tile holding that token needs tile ``k``, and split-KV gives each unit of a q tile
-    to exactly one split, so each fresh tile has exactly one owner.  Vectorized; the unit
+    to exactly one split, so each fresh tile has exactly one owner.  ``q_head`` (work col
+    8, optional): unpacked items (``q_head >= 0``) of the G q heads of one KV head all hold
+    that token, so only ``q_head == 0`` owns (packed items have -1).  Vectorized; the unit
     range test is the caller's (the kernel asks only for units it processes)."""
     t = np.minimum(np.asarray(k, dtype=np.int64) * page_size + page_size - 1,
                    np.asarray(q_len, dtype=np.int64) - 1)
     q_start = np.asarray(q_start, dtype=np.int64)
-    return (t >= q_start) & (t < q_start + np.asarray(q_cnt, dtype=np.int64))
+    own = (t >= q_start) & (t < q_start + np.asarray(q_cnt, dtype=np.int64))
+    if q_head is not None:
+        own = own & (np.asarray(q_head, dtype=np.int64) <= 0)
+    return own
 
 
 def fresh_writeback_items(work, query_start_loc, seq_lens, page_size: int = 64) -> np.ndarray:
@@ -96,8 +121,51 @@ def fresh_writeback_items(work, query_start_loc, seq_lens, page_size: int = 64) 
     cnt = np.where(w[:, 3] > 0, k1 - k0, 0)  # all-zero padding rows own nothing
     item = np.repeat(np.arange(w.shape[0], dtype=np.int64), cnt)
     k = np.arange(item.shape[0], dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + k0[item]
-    own = fresh_tile_owned(w[item, 2], w[item, 3], q_len[item], k, page_size)
+    own = fresh_tile_owned(w[item, 2], w[item, 3], q_len[item], k, page_size,
+                           w[item, W_QHEAD])
     return np.stack([item[own], b[item][own], w[item, 1][own], k[own]], axis=1).reshape(-1, 4)
+
+
+def _tiling_cost(q_len, seq_len, tpt: int, row_mult: int, page_size: int, cm, fresh_kv: bool):
+    """Modeled unsplit cost (us) per request of tiling its new tokens into tiles of ``tpt``
+    tokens with ``row_mult`` MMA rows per token (one KV head, one q head slot)."""
+    nt = -(-q_len // tpt)
+    req = np.repeat(np.arange(q_len.shape[0], dtype=np.int64), nt)
+    t0 = (np.arange(req.shape[0], dtype=np.int64) - np.repeat(np.cumsum(nt) - nt, nt)) * tpt
+    ql = q_len[req]
+    ntok = np.minimum(tpt, ql - t0)
+    if fresh_kv:
+        pages = kv_units(seq_len[req] - ql, t0 + ntok - 1, page_size)
+    else:
+        pages = (seq_len[req] - ql + t0 + ntok - 1) // page_size + 1
+    cost = cm.item_us(pages, ntok * row_mult, page_size, False)
+    return np.bincount(req, weights=cost, minlength=q_len.shape[0])
+
+
+def unpacked_requests(query_start_loc, seq_lens, *, group_size: int, page_size: int = 64,
+                      tile_m: int = 64, cost_model: "CostModel | None" = None,
+                      fresh_kv: bool = False) -> np.ndarray:
+    """bool per request: tiled one q head x ``tile_m`` tokens (unpacked) under
+    ``plan(..., unpacked_prefill=True)``.  True iff the request has work, ``G < Gp``,
+    ``q_len >= tile_m`` and ``G`` unpacked tilings (``ceil(q / tile_m)`` tiles each, never
+    split) cost less in the cost model than the packed tiling (``ceil(q / (tile_m // Gp))``
+    tiles of Gp rows per token), per KV head, both unsplit."""
+    cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    sl = np.asarray(seq_lens, dtype=np.int64)
+    q_len = np.diff(qsl)
+    gp = next_pow2(group_size)
+    out = np.zeros(sl.shape[0], dtype=bool)
+    if group_size >= gp:
+        return out
+    cand = np.flatnonzero((q_len >= tile_m) & (sl > 0) & (sl >= q_len))
+    if cand.size == 0:
+        return out
+    ql, L = q_len[cand], sl[cand]
+    packed = _tiling_cost(ql, L, tile_m // gp, gp, page_size, cm, fresh_kv)
+    unpacked = group_size * _tiling_cost(ql, L, tile_m, 1, page_size, cm, fresh_kv)
+    out[cand] = unpacked < packed
+    return out
 
 
 @dataclass(frozen=True)
@@ -177,7 +245,7 @@ DEFAULT_COST_MODEL = CostModel()
 
 @dataclass(frozen=True)
 class Plan:
-    work: np.ndarray  # int32 [n_items, 8], columns as docs/contract.md
+    work: np.ndarray  # int32 [n_items, 9], columns as docs/contract.md
     cta_offsets: np.ndarray  # int32 [num_ctas + 1]
     num_splits_max: int  # max col 7 (1 = no split anywhere)
     partial_rows: int  # fp32 partial rows needed (0 when no split)
@@ -189,6 +257,9 @@ class Plan:
     # True: cols 4/5 index KV *units* (old pages, then fresh tiles) for the fused
     # writeback kernel (docs/contract.md, "Fused KV writeback"); False: cache pages.
     fresh_kv: bool = False
+    # True: made with unpacked_prefill=True (col 8 may hold q heads >= 0: the kernel
+    # variant IonAttentionSm90(unpacked_prefill=True) must run it)
+    unpacked: bool = False
 
     @property
     def n_items(self) -> int:
@@ -312,7 +383,7 @@ def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
     return tile, sidx, p0, p1
 
 
-def _empty_plan(num_ctas: int, fresh_kv: bool = False) -> Plan:
+def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False) -> Plan:
     return Plan(
         work=np.zeros((0, WORK_COLS), dtype=np.int32),
         cta_offsets=np.zeros(num_ctas + 1, dtype=np.int32),
@@ -324,6 +395,7 @@ def _empty_plan(num_ctas: int, fresh_kv: bool = False) -> Plan:
         combine=np.zeros((0, COMBINE_COLS), dtype=np.int32),
         modeled_us=0.0,
         fresh_kv=fresh_kv,
+        unpacked=unpacked,
     )
 
 
@@ -346,12 +418,16 @@ def plan(
     cost_model: CostModel | None = None,
     max_partial_rows: int | None = None,
     fresh_kv: bool = False,
+    unpacked_prefill: bool = False,
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
     ``fresh_kv=True`` plans for the fused-writeback kernel: work cols 4/5 then index KV
     *units* instead of cache pages (``kv_units``): a q tile reads the request's
     ``ceil(ctx / P)`` old pages plus the fresh tiles its tokens need.
+    ``unpacked_prefill=True`` tiles long prefill rows of a padded GQA group (G < Gp) one
+    q head x ``tile_m`` tokens per item (work col 8 >= 0, rule: ``unpacked_requests``);
+    the plan must then run on the ``unpacked_prefill`` kernel variant.
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -383,34 +459,48 @@ def plan(
         bad = int(np.flatnonzero(live & (sl < q_len))[0])
         raise ValueError(f"seq_lens[{bad}]={int(sl[bad])} < q_len={int(q_len[bad])}")
     if not np.any(live):
-        return _empty_plan(num_ctas, fresh_kv)
+        return _empty_plan(num_ctas, fresh_kv, bool(unpacked_prefill))
     if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise OverflowError("sequence lengths / token counts must fit in int32")
 
-    # ---- tiles, ordered (b, h, q tile) ---------------------------------------------------
+    # ---- tiles, ordered (b, h, q head slot, q tile) --------------------------------------
+    # packed requests: one slot (col 8 = -1), tpt tokens per tile; unpacked requests
+    # (unpacked_requests): G slots (q heads), tile_m tokens per tile
     h_n = num_kv_heads
-    nt = np.where(live, (q_len + tpt - 1) // tpt, 0)  # q tiles per request
-    per_req = nt * h_n
+    unp = np.zeros(sl.shape[0], dtype=bool)
+    if unpacked_prefill:
+        unp = unpacked_requests(qsl, sl, group_size=group_size, page_size=page_size,
+                                tile_m=tile_m, cost_model=cm, fresh_kv=fresh_kv)
+    tpt_r = np.where(unp, tile_m, tpt)
+    slots_r = np.where(unp, group_size, 1)
+    nt = np.where(live, (q_len + tpt_r - 1) // tpt_r, 0)  # q tiles per request (and slot)
+    per_head = nt * slots_r
+    per_req = per_head * h_n
     req = np.repeat(np.arange(sl.shape[0], dtype=np.int64), per_req)
     k = np.arange(req.shape[0], dtype=np.int64) - (np.cumsum(per_req) - per_req)[req]
     ntr = nt[req]
-    head = k // ntr
-    tok0 = (k % ntr) * tpt
+    head = k // per_head[req]
+    rem = k % per_head[req]
+    tile_unp = unp[req]
+    qhead = np.where(tile_unp, rem // np.maximum(ntr, 1), -1)
+    tt = tpt_r[req]
+    tok0 = (rem % np.maximum(ntr, 1)) * tt
     ql = q_len[req]
-    ntok = np.minimum(tpt, ql - tok0)
+    ntok = np.minimum(tt, ql - tok0)
     if fresh_kv:
         # old pages 0 .. ceil(ctx / P) - 1, then fresh tiles 0 .. (last new token) // P
         n_pages = kv_units(sl[req] - ql, tok0 + ntok - 1, page_size)
     else:
         last_pos = sl[req] - ql + tok0 + ntok - 1  # absolute position of the tile's last token
         n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
-    rows = ntok * gp
+    # MMA rows carrying data: packed tiles Gp per token (padding loaded too), unpacked 1
+    rows = np.where(tile_unp, ntok, ntok * gp)
 
-    # ---- per-tile cost pieces (tables over ntok = 0 .. tpt, then gathered) --------------
-    rows_tab = np.arange(tpt + 1, dtype=np.int64) * gp
-    pu = cm.page_us(rows_tab, page_size)[ntok]
-    f_un = cm.fixed_us(rows_tab, False)[ntok]
-    f_sp = cm.fixed_us(rows_tab, True)[ntok]
+    # ---- per-tile cost pieces (tables over rows = 0 .. tile_m, then gathered) -----------
+    rows_tab = np.arange(tile_m + 1, dtype=np.int64)
+    pu = cm.page_us(rows_tab, page_size)[rows]
+    f_un = cm.fixed_us(rows_tab, False)[rows]
+    f_sp = cm.fixed_us(rows_tab, True)[rows]
 
     # ---- no-split schedule --------------------------------------------------------------
     n_tiles = n_pages.shape[0]
@@ -424,7 +514,7 @@ def plan(
     # ---- split-KV search ----------------------------------------------------------------
     # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
     # must beat the no-split makespan by split_min_gain: prune when that is impossible.
-    s_cap = np.minimum(max_splits, n_pages)
+    s_cap = np.where(tile_unp, 1, np.minimum(max_splits, n_pages))  # unpacked: never split
     target = best_total * (1.0 - cm.split_min_gain)
     if allow_split and max_splits > 1 and int(s_cap.max()) > 1 and mean0 + cm.combine_launch_us < target:
         # Candidate caps on pages per chunk: a tile with n pages gets min(ceil(n / cap),
@@ -433,7 +523,7 @@ def plan(
         s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
         caps = np.unique((nmax + s_try - 1) // s_try)[::-1]
         # Tiles with identical (pages, rows) behave identically: evaluate unique ones.
-        key = n_pages * (tile_m + 1) + rows
+        key = (n_pages * (tile_m + 1) + rows) * 2 + tile_unp
         _, uidx, ucnt = np.unique(key, return_index=True, return_counts=True)
         un, ucap, upu = n_pages[uidx], s_cap[uidx], pu[uidx]
         ucost0, uf_sp, urows = cost0[uidx], f_sp[uidx], rows[uidx]
@@ -495,6 +585,7 @@ def plan(
     work[:, 1] = head[tile]
     work[:, 2] = tok0[tile]
     work[:, 3] = ntok[tile]
+    work[:, W_QHEAD] = qhead[tile]
 
     g_idx = np.flatnonzero(splits > 1)
     grp_rows = splits[g_idx] * rows[g_idx]
@@ -527,6 +618,7 @@ def plan(
         combine=combine,
         modeled_us=float(cta_cost.max()) + comb_us,
         fresh_kv=bool(fresh_kv),
+        unpacked=bool(unpacked_prefill),
     )
 
 
@@ -559,7 +651,8 @@ def pack_plan(
 ) -> int:
     """Copy ``plan`` into preallocated int32 buffers in place; returns n_items.
 
-    * ``work_buf``: ``[cap, 8]`` (or flat ``[cap * 8]``); rows ``>= n_items`` are zeroed
+    * ``work_buf``: ``[cap, 9]`` (or flat ``[cap * 9]``), or ``[cap, 8]`` for the packed-only
+      kernels (the plan must then have no unpacked item); rows ``>= n_items`` are zeroed
       (an all-zero row is an empty item: 0 tokens, pages [0, 0)).  If ``prev_n_items`` is
       given, only rows ``[n_items, prev_n_items)`` are cleared: the caller guarantees rows
       beyond ``prev_n_items`` are still zero from an earlier ``pack_plan``.
@@ -571,9 +664,14 @@ def pack_plan(
     """
     n = plan.n_items
     w = _as_writable_int32(work_buf, "work_buf")
+    cols = WORK_COLS if w.ndim == 1 else (w.shape[1] if w.ndim == 2 else -1)
     w2 = w.reshape(-1, WORK_COLS) if w.ndim == 1 else w
-    if w2.ndim != 2 or w2.shape[1] != WORK_COLS:
-        raise ValueError(f"work_buf must be [cap, {WORK_COLS}], got {w.shape}")
+    if w2.ndim != 2 or cols not in (PACKED_WORK_COLS, WORK_COLS):
+        raise ValueError(f"work_buf must be [cap, {PACKED_WORK_COLS}] or [cap, {WORK_COLS}], "
+                         f"got {w.shape}")
+    if cols == PACKED_WORK_COLS and n and (plan.work[:, W_QHEAD] >= 0).any():
+        raise ValueError(f"plan has unpacked items (work col {W_QHEAD} >= 0): it needs a "
+                         f"[cap, {WORK_COLS}] work buffer")
     cap = w2.shape[0]
     if n > cap:
         raise ValueError(f"plan has {n} items but work_buf holds {cap}")
@@ -582,7 +680,7 @@ def pack_plan(
         raise ValueError(f"offsets_buf must be 1-D with >= {plan.num_ctas + 1} entries")
     end = cap if prev_n_items is None else min(cap, max(int(prev_n_items), n))
 
-    w2[:n] = plan.work
+    w2[:n] = plan.work[:, :cols]
     w2[n:end] = 0
     o[: plan.num_ctas + 1] = plan.cta_offsets
     o[plan.num_ctas + 1 :] = n
@@ -614,6 +712,7 @@ def worst_case_items(
     tile_m: int = 64,
     max_splits: int = 16,
     fresh_kv: bool = False,
+    unpacked_prefill: bool = False,
 ) -> int:
     """Upper bound on ``plan(...).n_items`` over every batch with <= max_num_reqs requests,
     <= max_num_tokens new tokens in total and seq_lens <= max_model_len.
@@ -623,6 +722,10 @@ def worst_case_items(
     at most min(max_num_reqs, max_num_tokens) requests are non-empty, so
     tiles <= min(T, floor((T + R * (tpt - 1)) / tpt)).  Each (tile, head) becomes at most
     min(max_splits, ceil(max_model_len / page_size)) items (a split keeps >= 1 page).
+    ``unpacked_prefill`` (G < Gp): an unpacked request (q >= tile_m new tokens, so at most
+    floor(T / tile_m) of them) has G * ceil(q / tile_m) unsplit items per KV head, i.e. at
+    most G * floor((T + R_u * (tile_m - 1)) / tile_m) in all, R_u = min(R, T // tile_m);
+    the bound adds that to the packed bound (each request is one kind or the other).
     """
     t = int(max_num_tokens)
     if t <= 0 or max_num_reqs <= 0 or max_model_len <= 0:
@@ -633,4 +736,10 @@ def worst_case_items(
     r = min(int(max_num_reqs), t)
     tiles = min(t, (t + r * (tpt - 1)) // tpt)
     max_pages = -(-int(max_model_len) // int(page_size)) + (1 if fresh_kv else 0)
-    return tiles * int(num_kv_heads) * max(1, min(int(max_splits), max_pages))
+    bound = tiles * int(num_kv_heads) * max(1, min(int(max_splits), max_pages))
+    g = int(group_size)
+    if unpacked_prefill and g < next_pow2(g):
+        tm = int(tile_m)
+        r_u = min(r, t // tm)
+        bound += g * int(num_kv_heads) * ((t + r_u * (tm - 1)) // tm)
+    return bound

@@ -81,7 +81,9 @@ def coverage_from_work(work, q_lens, seq_lens):
     """(b, h, token) -> pages read, from a contract work list; the split items of a token
     must tile its page range exactly once, in order."""
     pieces = {}
-    for b, h, t0, nt, p0, p1, split, nsplit in work.tolist():
+    for row in work.tolist():
+        b, h, t0, nt, p0, p1, split, nsplit = row[:8]
+        assert len(row) == 8  # the backend plans packed items: the default 8-column list
         assert 0 <= split < nsplit and p0 < p1
         for t in range(t0, t0 + nt):
             pieces.setdefault((b, h, t), []).append((split, nsplit, p0, p1))
@@ -189,7 +191,8 @@ def test_builder_plans_once_into_persistent_buffers(make_config):
     assert int(plan.cta_offsets[-1]) == plan.num_items == plan.host.n_items
     assert torch.all(plan.cta_offsets[1:] >= plan.cta_offsets[:-1])
     work = plan.work[: plan.num_items]
-    np.testing.assert_array_equal(work.numpy(), plan.host.work)
+    assert (plan.host.work[:, 8] == -1).all()  # no unpacked items
+    np.testing.assert_array_equal(work.numpy(), plan.host.work[:, :8])
     coverage_from_work(work, q_lens, seq_lens)
     first_items = plan.num_items
     assert md.num_actual_tokens == 148 and md.slot_mapping.shape == (148,)

@@ -72,7 +72,7 @@ def check_fresh_plan(p, qsl, seq_lens, *, num_kv_heads, group_size, tile_m=64):
     count = np.zeros(need.shape, dtype=np.int32)
     groups = {}
     for i, row in enumerate(p.work.tolist()):
-        b, h, t0, nt, u0, u1, s, ns = row
+        b, h, t0, nt, u0, u1, s, ns, _qh = row
         assert q[b] > 0 and sl[b] > 0, f"item {i}: phantom request"
         assert 1 <= nt <= tpt and t0 % tpt == 0 and t0 + nt <= q[b], f"item {i}: tokens"
         assert 0 <= u0 < u1, f"item {i}: empty unit range"
@@ -248,7 +248,7 @@ def test_writeback_owner_is_unique_and_writes_exactly_the_new_tokens(seed):
     assert sorted(keys) == expect and len(set(keys)) == len(keys)
     # the owner processes the unit and its q tile holds the tile's last (or last new) token
     for item, b, h, k in owners.tolist():
-        _, _, t0, nt, u0, u1, _, _ = p.work[item].tolist()
+        _, _, t0, nt, u0, u1, _, _, _ = p.work[item].tolist()
         n_old = -(-(seq_lens[b] - q_lens[b]) // P)
         assert u0 <= n_old + k < u1
         assert t0 <= min(64 * k + 63, q_lens[b] - 1) < t0 + nt
@@ -325,7 +325,7 @@ def test_device_plan_records_the_plan_kind():
                     head_dim=128, device="cpu")
     assert dp.fresh_kv is None
     assert dp.upload(pf).fresh_kv is True
-    np.testing.assert_array_equal(dp.work[:pf.n_items].numpy(), pf.work)
+    np.testing.assert_array_equal(dp.work[:pf.n_items].numpy(), pf.work[:, :8])
     assert dp.upload(pp).fresh_kv is False
 
 

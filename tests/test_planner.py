@@ -69,7 +69,8 @@ def check_plan(p: Plan, qsl, seq_lens, *, num_kv_heads, group_size, page_size, n
     n = w.shape[0]
 
     # --- containers
-    assert isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 2 and w.shape[1] == 8
+    assert isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 2 and w.shape[1] == 9
+    assert (w[:, 8] == -1).all(), "default plans hold packed items only (col 8 = -1)"
     assert w.flags.c_contiguous
     off = p.cta_offsets
     assert off.dtype == np.int32 and off.shape == (num_ctas + 1,)
@@ -83,7 +84,7 @@ def check_plan(p: Plan, qsl, seq_lens, *, num_kv_heads, group_size, page_size, n
     count = np.zeros(need.shape, dtype=np.int32)
     groups = {}
     for i in range(n):
-        b, h, t0, nt, p0, p1, s, ns = (int(v) for v in w[i])
+        b, h, t0, nt, p0, p1, s, ns = (int(v) for v in w[i, :8])
         assert 0 <= b < sl.shape[0] and 0 <= h < num_kv_heads, f"item {i}: bad b/h"
         assert q[b] > 0 and sl[b] > 0, f"item {i}: request {b} has no work (phantom request)"
         assert 1 <= nt <= tpt and t0 >= 0 and t0 % tpt == 0 and t0 + nt <= q[b], f"item {i}: bad tokens"
@@ -201,7 +202,7 @@ def _corruptions(p: Plan):
     dup = np.concatenate([np.arange(p.n_items), [unsplit]])
     yield "duplicate item", _with_items(p, w[dup], p.item_cost[dup], p.partial_offsets[dup],
                                         np.concatenate([cta, [0]]))
-    ghost = np.array([[3, 0, 0, 1, 0, 1, 0, 1]], np.int32)  # request 3 has no new tokens
+    ghost = np.array([[3, 0, 0, 1, 0, 1, 0, 1, -1]], np.int32)  # request 3 has no new tokens
     yield "phantom request", _with_items(p, np.concatenate([w, ghost]), np.concatenate([p.item_cost, [1.0]]),
                                          np.concatenate([p.partial_offsets, [-1]]).astype(np.int32),
                                          np.concatenate([cta, [0]]))
@@ -285,7 +286,7 @@ def test_empty_batch(num_ctas):
     for q_lens, seq_lens in [([], []), ([0, 0, 0], [10, 0, 64]), ([2, 3], [0, 0])]:
         p = plan(qsl_of(q_lens), np.asarray(seq_lens, np.int32), num_kv_heads=4, group_size=2,
                  num_ctas=num_ctas)
-        assert p.n_items == 0 and p.work.shape == (0, 8)
+        assert p.n_items == 0 and p.work.shape == (0, 9)
         assert p.cta_offsets.shape == (num_ctas + 1,) and not p.cta_offsets.any()
         assert p.partial_rows == 0 and p.num_splits_max == 1 and p.combine.shape == (0, 6)
         assert p.modeled_us == 0.0 and not p.cta_cost.any()
@@ -555,7 +556,7 @@ def test_pack_plan_round_trip():
     big = plan(qsl_of([1, 1, 30, 2]), [1990, 700, 64, 2], **kw)
     small = plan(qsl_of([1]), [17], **kw)
     assert big.num_splits_max > 1 and big.n_items > small.n_items
-    work = np.full((cap, 8), 77, np.int32)
+    work = np.full((cap, 9), 77, np.int32)
     offs = np.full(40, 77, np.int32)
     poff = np.full(cap, 77, np.int32)
     comb = np.full((cap, 6), 77, np.int32)
@@ -568,20 +569,20 @@ def test_pack_plan_round_trip():
     assert np.array_equal(comb[:g], big.combine) and not comb[g:].any()
     # incremental repack gives the same bytes as packing into fresh buffers
     n2 = pack_plan(small, work, offs, poff, comb, prev_n_items=n)
-    fresh = [np.full((cap, 8), 5, np.int32), np.full(40, 5, np.int32), np.full(cap, 5, np.int32),
+    fresh = [np.full((cap, 9), 5, np.int32), np.full(40, 5, np.int32), np.full(cap, 5, np.int32),
              np.full((cap, 6), 5, np.int32)]
     assert pack_plan(small, *fresh) == n2 == small.n_items
     for a, b in zip([work, offs, poff, comb], fresh):
         assert np.array_equal(a, b)
     # flat work buffer
-    flat = np.zeros(cap * 8, np.int32)
+    flat = np.zeros(cap * 9, np.int32)
     pack_plan(big, flat, np.zeros(21, np.int32))
-    assert np.array_equal(flat.reshape(-1, 8)[: big.n_items], big.work)
+    assert np.array_equal(flat.reshape(-1, 9)[: big.n_items], big.work)
     # misuse is refused
     with pytest.raises(ValueError):
-        pack_plan(big, np.zeros((big.n_items - 1, 8), np.int32), offs)
+        pack_plan(big, np.zeros((big.n_items - 1, 9), np.int32), offs)
     with pytest.raises(TypeError):
-        pack_plan(big, np.zeros((cap, 8), np.int64), offs)
+        pack_plan(big, np.zeros((cap, 9), np.int64), offs)
     with pytest.raises(ValueError):
         pack_plan(big, work, np.zeros(20, np.int32))
 
@@ -590,7 +591,7 @@ def test_pack_plan_into_torch_tensor():
     torch = pytest.importorskip("torch")
     _, cap = _pack_env()
     p = plan(qsl_of([3, 1]), [100, 2000], num_kv_heads=2, group_size=4, page_size=16, num_ctas=20)
-    work = torch.full((cap, 8), 9, dtype=torch.int32)
+    work = torch.full((cap, 9), 9, dtype=torch.int32)
     offs = torch.zeros(21, dtype=torch.int32)
     n = pack_plan(p, work, offs)
     assert np.array_equal(work[:n].numpy(), p.work) and int(work[n:].abs().sum()) == 0

@@ -1,0 +1,199 @@
+"""GPU (sm_90) tests of unpacked prefill q tiles: ``make_device_plan(...,
+unpacked_prefill=True)`` tiles long prefill rows of padded GQA groups (G < Gp) one q head x
+64 tokens per item (work col 8 >= 0) and ``ion_attention`` runs the
+``IonAttentionSm90(unpacked_prefill=True)`` variant, which serves the packed items (decode,
+short rows, split-KV) of the same launch as well.
+
+Checked on fresh random mixed batches (decode rows, prefill chunks whose cached prefix is not
+a page multiple, rows with 0 new tokens, padded token rows, long rows), G = 7 (28/4 heads),
+G = 3 (12/4) and G = 8 (no padding: stays packed), D 64/128, bf16/fp16:
+* vs the fp32 reference: rel err <= 1e-2 on every row with work, no NaN; ``out`` is
+  NaN-poisoned first and rows without work stay NaN;
+* the same rows computed with a packed plan agree with the unpacked plan to <= 1e-2;
+* split-KV forced on the packed items of an unpacked plan (combine path);
+* fused KV writeback together with unpacked tiles (owner of a fresh tile: q head 0).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cute_kernels.reference import (
+    default_softmax_scale,
+    make_paged_case,
+    new_token_slot_mapping,
+    reference_kv_append,
+    reference_paged_attention,
+    relative_error,
+    written_rows_mask,
+)
+
+P = 64
+TOL = 1e-2
+CHEAP_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
+
+
+def _random_batch(rng, n_long):
+    """Mixed batch with ``n_long`` long prefill rows (q a multiple of 64, so they are
+    unpacked for G = 7 and G = 3) among decode / chunk / empty rows."""
+    q_lens, seq_lens = [], []
+    for _ in range(int(rng.integers(3, 8))):
+        kind = int(rng.integers(0, 5))
+        if kind == 0:  # decode
+            ql, L = 1, int(rng.integers(1, 900))
+        elif kind == 1:  # prefill chunk, ctx not a page multiple
+            ql = int(rng.integers(2, 300))
+            L = ql + int(rng.integers(1, 400))
+        elif kind == 2:  # 0 new tokens (request with nothing to do this step)
+            ql, L = 0, int(rng.integers(0, 200))
+        elif kind == 3:  # fresh prefill
+            ql = int(rng.integers(1, 250))
+            L = ql
+        else:  # page-boundary lengths
+            L = P * int(rng.integers(1, 6)) + int(rng.integers(-1, 2))
+            ql = int(min(L, rng.choice([1, 63, 64, 65, 128])))
+        q_lens.append(ql)
+        seq_lens.append(L)
+    for _ in range(n_long):
+        ql = 64 * int(rng.integers(2, 9))
+        ctx = int(rng.choice([0, 1, 37, 64, 100, 1000]))
+        pos = int(rng.integers(0, len(q_lens) + 1))
+        q_lens.insert(pos, ql)
+        seq_lens.insert(pos, ql + ctx)
+    return q_lens, seq_lens
+
+
+def _device_plan(qsl, sl, hkv, g, d, *, unpacked, force_split=False, fresh_kv=False):
+    from cute_kernels.attention import DevicePlan, num_sms
+    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.variants import CTAS_PER_SM
+
+    num_ctas = num_sms(torch.device("cuda")) * CTAS_PER_SM
+    cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
+    hp = plan(np.asarray(qsl, np.int32), np.asarray(sl, np.int32), num_kv_heads=hkv,
+              group_size=g, page_size=P, num_ctas=num_ctas, cost_model=cm,
+              fresh_kv=fresh_kv, unpacked_prefill=unpacked)
+    dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
+                    partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas, head_dim=d,
+                    device="cuda", unpacked=unpacked)
+    return dp.upload(hp)
+
+
+def _check_out(out, ref, mask, what):
+    assert not torch.isnan(out[mask.to(out.device)]).any(), f"{what}: NaN in a written row"
+    assert torch.isnan(out[~mask.to(out.device)]).all(), f"{what}: a row without work written"
+    err = relative_error(out, ref, mask)
+    assert err <= TOL, f"{what}: rel err {err:.3e}"
+
+
+def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
+         expect_unpacked=True):
+    from cute_kernels.attention import ion_attention
+    from cute_kernels.planner import W_QHEAD
+
+    g = hq // hkv
+    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
+                           device="cuda", pad_rows=pad_rows)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    scale = default_softmax_scale(d)
+    ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)
+    mask = written_rows_mask(qsl, sl, q.shape[0])
+    qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
+
+    pu = _device_plan(qsl_h, sl_h, hkv, g, d, unpacked=True, force_split=force_split)
+    assert pu.unpacked
+    n_unp = int((pu.host.work[:, W_QHEAD] >= 0).sum())
+    assert (n_unp > 0) == expect_unpacked, (n_unp, q_lens, seq_lens)
+    if force_split:
+        assert pu.host.num_splits_max > 1, "split-KV not exercised"
+    out_u = torch.full_like(q, float("nan"))
+    ion_attention(q, k_cache, v_cache, out_u, qsl, sl, bt, scale, plan=pu)
+
+    pp = _device_plan(qsl_h, sl_h, hkv, g, d, unpacked=False, force_split=force_split)
+    assert not pp.unpacked
+    out_p = torch.full_like(q, float("nan"))
+    ion_attention(q, k_cache, v_cache, out_p, qsl, sl, bt, scale, plan=pp)
+    torch.cuda.synchronize()
+
+    _check_out(out_u, ref, mask, "unpacked plan")
+    _check_out(out_p, ref, mask, "packed plan")
+    agree = relative_error(out_u, out_p.float(), mask)
+    assert agree <= TOL, f"packed vs unpacked plan: rel diff {agree:.3e}"
+    return n_unp
+
+
+HEADS = [(28, 4), (12, 4), (32, 4)]  # G = 7, 3, 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=["g7", "g3", "g8"])
+def test_unpacked_plan_matches_reference_and_packed(heads, d, dtype):
+    hq, hkv = heads
+    g = hq // hkv
+    rng = np.random.default_rng(hq * 1000 + d + (dtype == torch.float16))
+    for trial in range(3):
+        q_lens, seq_lens = _random_batch(rng, n_long=1 + trial % 2)
+        _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=trial,
+             pad_rows=(5 if trial == 1 else 0), expect_unpacked=(g != 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS[:2], ids=["g7", "g3"])
+def test_unpacked_plan_with_forced_split_of_packed_items(heads):
+    hq, hkv = heads
+    # long decode rows get split-KV (packed items + combine) next to unpacked prefill rows
+    q_lens = [1, 256, 1, 0, 129, 64]
+    seq_lens = [3000, 256 + 37, 1500, 77, 129 + 1, 64 + 640]
+    _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=128, dtype=torch.bfloat16, seed=7, pad_rows=3,
+         force_split=True)
+
+
+@pytest.mark.gpu
+def test_long_prefill_g7():
+    # the benchmark shape (28 q / 4 KV heads, d 128), shortened: 2048 new tokens after a
+    # 100-token cached prefix, plus a decode row
+    _run([2048, 1], [2148, 500], hq=28, hkv=4, d=128, dtype=torch.bfloat16, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS[:2], ids=["g7", "g3"])
+def test_fused_writeback_with_unpacked_tiles(heads):
+    from cute_kernels.attention import ion_attention
+    from cute_kernels.planner import W_QHEAD
+
+    hq, hkv = heads
+    g = hq // hkv
+    d, dtype = 128, torch.bfloat16
+    q_lens = [1, 256, 0, 192, 3, 64]
+    seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1]
+    case = make_paged_case(11, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
+                           device="cuda", pad_rows=2)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    total_q = q.shape[0]
+    gen = torch.Generator().manual_seed(12)
+    key = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    value = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    scale = default_softmax_scale(d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, ref_k, ref_v,
+                        new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q))
+    ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+    mask = written_rows_mask(qsl, sl, total_q)
+
+    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, unpacked=True,
+                      fresh_kv=True)
+    assert dp.unpacked and dp.fresh_kv and (dp.host.work[:, W_QHEAD] >= 0).any()
+    out = torch.full_like(q, float("nan"))
+    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key, value=value)
+    torch.cuda.synchronize()
+    _check_out(out, ref, mask, "fused + unpacked")
+    # the cache equals the reference append at every position < seq_len
+    bt_h = bt.cpu()
+    for b, L in enumerate(seq_lens):
+        for pos in range(L):
+            blk, row = int(bt_h[b, pos // P]), pos % P
+            assert torch.equal(k_cache[blk, :, row], ref_k[blk, :, row]), (b, pos)
+            assert torch.equal(v_cache[blk, :, row], ref_v[blk, :, row]), (b, pos)
