@@ -50,12 +50,15 @@ install_enum_alias()
 KERNEL_BLOCK_SIZE = validation.KERNEL_BLOCK_SIZE
 #: MMA M dimension of one q tile (docs/contract.md: tokens_per_tile = 64 // Gp).
 Q_TILE_ROWS = 64
-WORK_COLS = 8
 
 #: opt-in: ``ION_FUSED_KV_WRITEBACK=1`` writes the step's K/V inside the attention launch
 #: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
 #: separate ``kv_append`` launch.  Off by default until the H200 sweep validates it.
 FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
+#: opt-in: ``ION_UNPACKED_PREFILL=1`` tiles long prefill rows of padded GQA groups one q
+#: head x 64 tokens (planner ``unpacked_prefill``, docs/contract.md).  Off by default until
+#: the H200 validates the unpacked kernel variant.
+UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -111,11 +114,19 @@ def fault_block_table(block_table: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- builder
-def fused_kv_writeback() -> bool:
-    v = os.environ.get(FUSED_KV_ENV, "0").strip().lower()
+def _switch(name: str, what: str) -> bool:
+    v = os.environ.get(name, "0").strip().lower()
     if v not in ("0", "1", "", "false", "true"):
-        raise ValueError(f"{FUSED_KV_ENV}={v!r}: use 1 (fused KV writeback) or 0")
+        raise ValueError(f"{name}={v!r}: use 1 ({what}) or 0")
     return v in ("1", "true")
+
+
+def fused_kv_writeback() -> bool:
+    return _switch(FUSED_KV_ENV, "fused KV writeback")
+
+
+def unpacked_prefill() -> bool:
+    return _switch(UNPACKED_PREFILL_ENV, "unpacked prefill tiles")
 
 
 def batch_invariant_mode() -> bool:
@@ -168,6 +179,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             self.fresh_kv = False
         if self.fresh_kv:
             logger.info_once("ION: fused KV writeback (%s=1)", FUSED_KV_ENV)
+        #: unpacked prefill tiles (one q head x 64 tokens for long prefill rows, G < Gp)
+        self.unpacked = unpacked_prefill()
+        if self.unpacked:
+            logger.info_once("ION: unpacked prefill tiles (%s=1)", UNPACKED_PREFILL_ENV)
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
@@ -206,7 +221,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
             self.num_kv_heads, self.group_size, page_size=self.page_size,
             tile_m=Q_TILE_ROWS, max_splits=self.max_splits if self.allow_split else 1,
-            fresh_kv=self.fresh_kv))
+            fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked))
         # split groups are (request, head, q tile) tiles: bounded by the unsplit item count
         self.group_capacity = max(1, planner.worst_case_items(
             self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
@@ -217,14 +232,16 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                                group_capacity=self.group_capacity,
                                partial_rows_capacity=self.partial_rows,
                                num_ctas=self.num_ctas, head_dim=self.head_size,
-                               device=self.device, always_combine=self.allow_split)
+                               device=self.device, always_combine=self.allow_split,
+                               unpacked=self.unpacked)
         if self.device.type == "cuda":
             # compile + load every kernel now: vLLM's profiling run has no attention metadata,
             # so the first real launch could otherwise land inside CUDA-graph capture
             from cute_kernels.attention import precompile
 
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
-                       self.num_kv_heads, self.page_size, fused=self.fresh_kv)
+                       self.num_kv_heads, self.page_size, fused=self.fresh_kv,
+                       unpacked=self.unpacked)
 
     # ------------------------------------------------------------------ planning
     def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
@@ -234,7 +251,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             page_size=self.page_size, num_ctas=self.num_ctas, tile_m=Q_TILE_ROWS,
             allow_split=self.allow_split, max_splits=self.max_splits,
-            max_partial_rows=self.partial_rows, fresh_kv=self.fresh_kv)
+            max_partial_rows=self.partial_rows, fresh_kv=self.fresh_kv,
+            unpacked_prefill=self.unpacked)
 
     @staticmethod
     def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:

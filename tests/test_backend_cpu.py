@@ -404,3 +404,42 @@ def test_batch_invariant_mode_plans_without_split(make_config, monkeypatch):
     md = inv.build(0, common_metadata(q_lens, seq_lens, bt))
     assert md.plan.host.partial_rows == 0 and md.plan.num_groups == 0
     assert md.plan.num_items == len(q_lens) * HKV  # one item per (request, KV head)
+
+
+def test_unpacked_prefill_switch(cpu_platform, tmp_path, monkeypatch):
+    """ION_UNPACKED_PREFILL=1 with GQA 7: the builder plans long prefill rows one q head x
+    64 tokens (work col 8 >= 0) into a 9-column device work list; decode rows stay packed.
+    Without the switch the work list keeps the default kernels' 8 columns."""
+    import ion_vllm.backend as backend_mod
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model = tmp_path / "gqa7"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {**TINY_QWEN2, "num_attention_heads": 7 * HKV, "num_key_value_heads": HKV,
+         "hidden_size": 7 * HKV * D}))
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(model), "--attention-backend", "ION",
+                              "--skip-tokenizer-init", "--load-format", "dummy"])
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
+    q_lens, seq_lens = [1, 256], [300, 300]
+
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    plain = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert plain.group_size == 7 and plain.plan.work.shape[1] == 8
+    md = plain.build(0, common_metadata(q_lens, seq_lens, bt))
+    assert not md.plan.unpacked
+
+    monkeypatch.setenv(backend_mod.UNPACKED_PREFILL_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.unpacked and b.plan.work.shape[1] == 9
+    md = b.build(0, common_metadata(q_lens, seq_lens, bt))
+    w = md.plan.work[: md.plan.num_items].numpy()
+    assert md.plan.unpacked
+    assert set(w[w[:, 0] == 0, 8].tolist()) == {-1}  # the decode row: packed
+    assert set(w[w[:, 0] == 1, 8].tolist()) == set(range(7))  # 256-token prefill: unpacked
+    monkeypatch.setenv(backend_mod.UNPACKED_PREFILL_ENV, "yes")
+    with pytest.raises(ValueError, match="ION_UNPACKED_PREFILL"):
+        backend_mod.unpacked_prefill()

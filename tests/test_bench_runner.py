@@ -164,3 +164,20 @@ def test_synced_timing_syncs_each_call_and_is_recorded(fake_cuda, monkeypatch):
     recs = kr.run_kernel_suite(CASES[:1], ["fa3"], iters=3, warmup=0, device="cpu",
                                l2_bytes=L2, timing="synced", log=lambda *_: None)
     assert recs[0]["status"] == "ok" and recs[0]["timing"] == "synced"
+
+
+def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
+    """`ion-unpacked` runs ION on an unpacked_prefill plan; `ion` keeps the default plan."""
+    seen = []
+
+    def fake_plan(case, device, **opts):
+        seen.append(opts)
+        return object()
+
+    monkeypatch.setattr(kr, "_ion_plan", fake_plan)
+    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
+    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
+    assert "ion-unpacked" in kr.BACKENDS and "ion-unpacked" in kr.PREPARE
+    kr.PREPARE["ion"](CASES[0], 0, "cpu", {})
+    kr.PREPARE["ion-unpacked"](CASES[0], 0, "cpu", {})
+    assert seen == [{}, {"unpacked_prefill": True}]

@@ -1,6 +1,6 @@
 """``ion-bench``: A/B benchmarks of ION against vLLM's stock attention.
 
-    ion-bench kernel [--suite NAME ...] [--case NAME ...] [--backends ion,fa3,fa4,triton]
+    ion-bench kernel [--suite NAME ...] [--case NAME ...] [--backends ion,ion-unpacked,fa3,fa4,triton]
     ion-bench e2e    [--workload NAME ...] [--backends ION,FLASH_ATTN] [--repeats 2] [--serve]
     ion-bench report DIR
 
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--case", action="append", default=[],
                    help="case name (repeatable; comma-separated allowed); see --list")
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
-                   help="comma-separated subset of ion,fa3,fa4,triton")
+                   help="comma-separated subset of ion,ion-unpacked,fa3,fa4,triton "
+                        "(ion-unpacked: unpacked prefill tiles, a v4 candidate)")
     k.add_argument("--out", help="results dir (default bench/results/<date>-<gpu>)")
     k.add_argument("--iters", type=int, default=60, help="timed iterations per case/backend")
     k.add_argument("--warmup", type=int, default=10)
@@ -138,8 +139,10 @@ def cmd_kernel(args) -> int:
     except KeyError as err:
         _log(f"ion-bench: {err.args[0]}")
         return 2
+    from . import kernel_runner  # numpy only at import; torch is imported per call
+
     backends = _csv(args.backends)
-    bad = [b for b in backends if b not in ("ion", "fa3", "fa4", "triton")]
+    bad = [b for b in backends if b not in kernel_runner.BACKENDS]
     if bad:
         _log(f"ion-bench: unknown kernel backend(s) {bad}")
         return 2
@@ -153,7 +156,6 @@ def cmd_kernel(args) -> int:
     if not torch.cuda.is_available():
         _log("ion-bench kernel: no CUDA device")
         return 2
-    from . import kernel_runner
     dev = torch.device(args.device)
     gpu = torch.cuda.get_device_name(dev)
     out = Path(args.out) if args.out else report.default_results_dir(gpu)

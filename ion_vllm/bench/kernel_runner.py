@@ -28,7 +28,7 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "fa3", "fa4", "triton")
+BACKENDS = ("ion", "ion-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
@@ -103,10 +103,11 @@ def _common_meta(case: Case, device):
 
 # --------------------------------------------------------------------------- backends
 
-def _ion_plan(case: Case, device):
+def _ion_plan(case: Case, device, **plan_options):
     """The ION device plan, built the way vLLM's ION metadata builder does once per
     step: host planner (``cute_kernels.planner.plan``) over host copies of
-    query_start_loc / seq_lens, uploaded by ``cute_kernels.make_device_plan``."""
+    query_start_loc / seq_lens, uploaded by ``cute_kernels.make_device_plan``.
+    ``plan_options``: extra planner switches (``unpacked_prefill=True``)."""
     try:
         import cute_kernels
         make_device_plan = cute_kernels.make_device_plan
@@ -115,7 +116,8 @@ def _ion_plan(case: Case, device):
     qsl = np.asarray(case.query_start_loc(), dtype=np.int32)
     sl = np.asarray(case.kv_lens, dtype=np.int32)
     return make_device_plan(qsl, sl, num_kv_heads=case.hkv, group_size=case.hq // case.hkv,
-                            page_size=case.ion_page, head_dim=case.d, device=device)
+                            page_size=case.ion_page, head_dim=case.d, device=device,
+                            **plan_options)
 
 
 def ion_cache(case: Case, rot: int, device):
@@ -163,7 +165,7 @@ def triton_cache(case: Case, rot: int, device):
     return q, kc, vc, torch.from_numpy(bt_np).to(device)
 
 
-def prepare_ion(case: Case, rot: int, device, shared: dict) -> Prepared:
+def prepare_ion(case: Case, rot: int, device, shared: dict, **plan_options) -> Prepared:
     import torch
     try:
         import cute_kernels
@@ -171,7 +173,7 @@ def prepare_ion(case: Case, rot: int, device, shared: dict) -> Prepared:
     except Exception as e:  # noqa: BLE001
         raise BackendUnavailable(f"cute_kernels.ion_attention import failed: {e!r}") from e
     if "ion_plan" not in shared:
-        shared["ion_plan"] = _ion_plan(case, device)
+        shared["ion_plan"] = _ion_plan(case, device, **plan_options)
     plan = shared["ion_plan"]
     q, k, v, bt = ion_cache(case, rot, device)
     qsl, seq_lens = _common_meta(case, device)
@@ -274,7 +276,14 @@ def prepare_triton(case: Case, rot: int, device, shared: dict) -> Prepared:
     return Prepared(call, out)
 
 
-PREPARE = {"ion": prepare_ion, "fa3": prepare_fa3, "fa4": prepare_fa4,
+def prepare_ion_unpacked(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """ION with unpacked prefill tiles (``unpacked_prefill=True`` plan and kernel variant;
+    v4 candidate, not yet the backend's default)."""
+    return prepare_ion(case, rot, device, shared, unpacked_prefill=True)
+
+
+PREPARE = {"ion": prepare_ion, "ion-unpacked": prepare_ion_unpacked,
+           "fa3": prepare_fa3, "fa4": prepare_fa4,
            "triton": prepare_triton}
 
 

@@ -20,7 +20,7 @@ import re
 import statistics
 from pathlib import Path
 
-KERNEL_ORDER = ("ion", "fa3", "fa4", "triton")
+KERNEL_ORDER = ("ion", "ion-unpacked", "fa3", "fa4", "triton")
 E2E_ORDER = ("ION", "FLASH_ATTN")
 KERNEL_BASELINE = "fa3"
 E2E_BASELINE = "FLASH_ATTN"
