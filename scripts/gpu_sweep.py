@@ -261,7 +261,8 @@ def _sync(device) -> None:
 FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
 
 
-def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool):
+def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
+              unpacked: bool = False):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     import numpy as np
@@ -277,10 +278,10 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
     cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
     hp = plan(np.asarray(qsl.cpu(), np.int32), np.asarray(sl.cpu(), np.int32),
               num_kv_heads=case.hkv, group_size=case.g, page_size=PAGE, num_ctas=num_ctas,
-              cost_model=cm, fresh_kv=fresh_kv)
+              cost_model=cm, fresh_kv=fresh_kv, unpacked_prefill=unpacked)
     dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
                     partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas,
-                    head_dim=case.d, device=dev)
+                    head_dim=case.d, device=dev, unpacked=unpacked)
     return dp.upload(hp)
 
 
@@ -307,7 +308,8 @@ def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
 
 
 def run_case(case: SweepCase, device, tol: float, fault: str = "none",
-             impl=None, path: str = "append", force_split: bool = False) -> Dict:
+             impl=None, path: str = "append", force_split: bool = False,
+             unpacked: bool = False) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -336,8 +338,10 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         ref_k, ref_v = kc.clone(), vc.clone()
         reference_kv_append(key, value, ref_k, ref_v, slots)
         fused = path == "fused"
-        plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused)
+        plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
+                         unpacked=unpacked)
         res.update(path=path, forced_split=force_split,
+                   unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
                    partial_rows=int(plan.host.partial_rows))
 
@@ -432,6 +436,7 @@ def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
         "tag_counts": tag_counts,
         "cases_with_split_kv": sum(1 for r in results if r.get("split_items", 0) > 0),
         "split_items": sum(r.get("split_items", 0) for r in results),
+        "cases_with_unpacked_tiles": sum(1 for r in results if r.get("unpacked_items", 0) > 0),
         "verdict": "PASS" if not failed else "FAIL",
     }
 
@@ -465,6 +470,8 @@ def parse_args(argv=None):
     ap.add_argument("--path", choices=("append", "fused"), default="append",
                     help="append: kv_append then attention (the backend's default); fused: "
                          "one call writes the cache and attends (ION_FUSED_KV_WRITEBACK=1)")
+    ap.add_argument("--unpacked-prefill", action="store_true",
+                    help="plan with unpacked prefill tiles (ION_UNPACKED_PREFILL=1 variant)")
     ap.add_argument("--force-split-every", type=int, default=4,
                     help="plan every N-th case with a split-friendly cost model (0: never)")
     ap.add_argument("--device", default="cuda")
@@ -495,7 +502,8 @@ def main(argv=None) -> int:
         for c in cases:
             fs = args.force_split_every > 0 and c.index % args.force_split_every == (
                 args.force_split_every - 1)
-            r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs)
+            r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
+                         unpacked=args.unpacked_prefill)
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -508,6 +516,7 @@ def main(argv=None) -> int:
                       f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
     summary = summarize(cases, results, args.tol)
     summary.update(seed=args.seed, fault=args.fault, path=args.path,
+                   unpacked_prefill=args.unpacked_prefill,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),

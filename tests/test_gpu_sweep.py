@@ -19,12 +19,13 @@ def _load():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["append", "fused"])
-def test_reduced_sweep_passes(tmp_path, path):
+@pytest.mark.parametrize("path,unpacked", [("append", False), ("fused", False),
+                                           ("append", True)])
+def test_reduced_sweep_passes(tmp_path, path, unpacked):
     sw = _load()
     out = tmp_path / "sweep"
     rc = sw.main(["--cases", "24", "--seed", "1234", "--out", str(out), "--quiet",
-                  "--path", path])
+                  "--path", path] + (["--unpacked-prefill"] if unpacked else []))
     summary = json.loads((out / "summary.json").read_text())
     lines = (out / "cases.jsonl").read_text().splitlines()
     assert len(lines) == 24
@@ -32,6 +33,7 @@ def test_reduced_sweep_passes(tmp_path, path):
     assert rc == 0 and summary["verdict"] == "PASS", bad[:3]
     assert summary["passed"] == 24
     assert summary["path"] == path and summary["cases_with_split_kv"] > 0
+    assert (summary["cases_with_unpacked_tiles"] > 0) == unpacked
     assert summary["max_rel_err"] <= 1e-2
     # all GQA ratios and both head dims were exercised
     assert {k.split("/")[2] for k in summary["by_variant"]} == {"G1", "G4", "G7", "G8"}

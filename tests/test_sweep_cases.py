@@ -245,6 +245,20 @@ def test_fused_path_and_forced_splits_on_cpu():
     del reference_kv_append
 
 
+def test_unpacked_plans_in_the_sweep_on_cpu():
+    """--unpacked-prefill: G = 7 prefill chunks get unpacked items (recorded per case), and
+    the reference stand-in passes with both paths."""
+    cases = [c for c in sw.make_cases(60, 5, max_kv_tokens=4000) if c.g == 7
+             and any(q >= 256 for q in c.q_lens)]
+    assert cases, "the generator should produce G=7 cases with long prefill chunks"
+    for path in ("append", "fused"):
+        r = sw.run_case(cases[0], "cpu", 1e-2, impl=_ref_impl(), path=path, unpacked=True)
+        assert r["error"] is None, r.get("traceback")
+        assert r["pass"] and r["unpacked_items"] > 0
+    r = sw.run_case(cases[0], "cpu", 1e-2, impl=_ref_impl())
+    assert r["unpacked_items"] == 0
+
+
 def test_fault_injection_fails_every_case():
     for case in SMALL[:6]:
         r = sw.run_case(case, "cpu", 1e-2, fault="spare_pages", impl=_ref_impl())
