@@ -193,6 +193,8 @@ FAKE_VLLM = textwrap.dedent("""\
         print("Fake GPU 141GB"); sys.exit(0)
     log = os.environ["FAKE_VLLM_LOG"]
     be = args[args.index("--attention-backend") + 1]
+    if os.environ.get("ION_UNPACKED_PREFILL") == "1":
+        be += "+unpacked"  # what the run saw: the switch reached the vLLM process
     with open(log, "a") as f:
         f.write(be + "\\n")
     n = sum(1 for _ in open(log))
@@ -258,6 +260,25 @@ def test_e2e_run_loop_interleaves_and_aggregates(tmp_path, fake_python, capsys):
     assert rc == 0
     recs = {r["backend"]: r for r in report.load_summary(out)["records"]}
     assert recs["ION"]["repeats"] == 1
+
+
+def test_e2e_ion_variant_runs_ion_with_its_switch(tmp_path, fake_python):
+    """`--backends ION,ION+unpacked,FLASH_ATTN`: the variant runs --attention-backend ION
+    with ION_UNPACKED_PREFILL=1 in its environment (and only there), and gets its own
+    ratio against FLASH_ATTN and its own table columns."""
+    fake, log = fake_python
+    m = _model_dir(tmp_path)
+    out = tmp_path / "res"
+    rc = cli.main(["e2e", "--workload", "seed", "--repeats", "1", "--model", str(m),
+                   "--out", str(out), "--python", str(fake),
+                   "--backends", "ION,ION+unpacked,FLASH_ATTN"])
+    assert rc == 0
+    assert log.read_text().split() == ["ION", "ION+unpacked", "FLASH_ATTN"]
+    recs = {r["backend"]: r for r in report.load_summary(out)["records"]}
+    assert "ratio_total_tok_s_vs_FLASH_ATTN" in recs["ION+unpacked"]
+    assert "ratio_total_tok_s_vs_FLASH_ATTN" in recs["ION"]
+    table = (out / "table.md").read_text()
+    assert "ION+unpacked/FA total" in table and "ION/FA total" in table
 
 
 def test_e2e_failure_is_recorded_not_raised(tmp_path, fake_python, monkeypatch):

@@ -64,6 +64,27 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 
 BACKENDS = ("ION", "FLASH_ATTN")
 
+#: ION variants for the A/B: a label, run as ``--attention-backend ION`` with the backend's
+#: opt-in switches set in the environment (ion_vllm/backend.py)
+ION_VARIANTS: dict[str, dict[str, str]] = {
+    "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
+    "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
+    "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},
+}
+
+
+def resolve_backend(label: str) -> tuple[str, dict[str, str]]:
+    """(vLLM --attention-backend value, extra environment) of a backend label."""
+    if label in ION_VARIANTS:
+        return "ION", dict(ION_VARIANTS[label])
+    return label, {}
+
+
+def backend_env(label: str, opts: "E2EOptions") -> dict[str, str]:
+    env = dict(opts.env)
+    env.update(resolve_backend(label)[1])
+    return env
+
 
 @dataclass
 class E2EOptions:
@@ -116,7 +137,8 @@ def _dataset_args(w: Workload, num_prompts: int) -> list[str]:
 
 
 def _engine_args(w: Workload, backend: str, opts: E2EOptions) -> list[str]:
-    args = ["--attention-backend", backend, "--max-num-seqs", str(w.concurrency),
+    args = ["--attention-backend", resolve_backend(backend)[0],
+            "--max-num-seqs", str(w.concurrency),
             "--seed", str(opts.seed)]
     lf = load_format_for(opts)
     if lf:
@@ -339,8 +361,10 @@ def build_records(workload: Workload, runs: dict[str, list[dict]], opts: E2EOpti
         if errors and b in errors and ok:
             rec["warning"] = errors[b]
         recs[b] = rec
-    ion, base = recs.get(report.ION_E2E), recs.get(report.E2E_BASELINE)
-    if ion and base:
+    base = recs.get(report.E2E_BASELINE)
+    for label, ion in recs.items():  # ION and its variants, each against FLASH_ATTN
+        if not (base and label.startswith(report.ION_E2E)):
+            continue
         for key in ("total_tok_s", "output_tok_s"):
             r = report.e2e_ratio(ion, base, key)
             if r:
@@ -475,7 +499,7 @@ def run_throughput(workloads: list[Workload], opts: E2EOptions, out_dir: Path, *
             js.unlink()
         t0 = time.monotonic()
         logp = out_dir / "logs" / f"{w.name}-{b}-r{r}.log"
-        rc, out = _run_logged(cmd, logp, opts.run_timeout, env=opts.env)
+        rc, out = _run_logged(cmd, logp, opts.run_timeout, env=backend_env(b, opts))
         wall = time.monotonic() - t0
         res = parse_throughput(js, out) if rc == 0 else {}
         if rc == 0 and res.get("total_tok_s"):
@@ -512,7 +536,7 @@ def run_serve(workloads: list[Workload], opts: E2EOptions, out_dir: Path, *,
             logp.parent.mkdir(parents=True, exist_ok=True)
             log(f"[e2e] starting vllm serve ({b}) on port {port} (log {logp})")
             env = dict(os.environ)
-            env.update(opts.env)
+            env.update(backend_env(b, opts))
             with open(logp, "w") as lf:
                 lf.write("$ " + " ".join(_q(c) for c in cmd) + "\n")
                 lf.flush()

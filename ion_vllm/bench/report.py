@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 KERNEL_ORDER = ("ion", "ion-unpacked", "fa3", "fa4", "triton")
-E2E_ORDER = ("ION", "FLASH_ATTN")
+E2E_ORDER = ("ION", "ION+unpacked", "ION+fused", "ION+fused+unpacked", "FLASH_ATTN")
 KERNEL_BASELINE = "fa3"
 E2E_BASELINE = "FLASH_ATTN"
 ION_KERNEL = "ion"
@@ -252,16 +252,22 @@ def _e2e_table(recs: list[dict]) -> list[str]:
     cases = list(dict.fromkeys(r["case"] for r in recs))
     backends = _order([r["backend"] for r in recs], E2E_ORDER)
     by = {(r["case"], r["backend"]): r for r in recs}
+    ions = [b for b in backends if b.startswith(ION_E2E)] or [ION_E2E]
+    short = {b: b.replace("FLASH_ATTN", "FA") for b in ions}
     head = (["workload", "repeats"] + [f"{b} total tok/s" for b in backends]
-            + ["ION/FA total"] + [f"{b} output tok/s" for b in backends] + ["ION/FA output"])
+            + [f"{short[b]}/FA total" for b in ions]
+            + [f"{b} output tok/s" for b in backends]
+            + [f"{short[b]}/FA output" for b in ions])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
         reps = sorted({str(by[(c, b)].get("repeats", "")) for b in backends if (c, b) in by})
         row = [c, "/".join(reps)]
         row += [_spread(by.get((c, b)), "total_tok_s") for b in backends]
-        row.append(_ratio_cell(by.get((c, ION_E2E)), by.get((c, E2E_BASELINE)), "total_tok_s"))
+        row += [_ratio_cell(by.get((c, b)), by.get((c, E2E_BASELINE)), "total_tok_s")
+                for b in ions]
         row += [_spread(by.get((c, b)), "output_tok_s") for b in backends]
-        row.append(_ratio_cell(by.get((c, ION_E2E)), by.get((c, E2E_BASELINE)), "output_tok_s"))
+        row += [_ratio_cell(by.get((c, b)), by.get((c, E2E_BASELINE)), "output_tok_s")
+                for b in ions]
         lines.append("| " + " | ".join(row) + " |")
     lat = [r for r in recs if r.get("ttft_p50_ms") is not None]
     if lat:
