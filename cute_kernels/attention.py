@@ -13,6 +13,10 @@ Fused KV writeback: ``ion_attention(..., key=, value=)`` runs the ``fresh_kv`` k
 Unpacked prefill tiles: a plan made with ``unpacked_prefill=True`` (``DevicePlan.unpacked``)
 runs on the ``IonAttentionSm90(unpacked_prefill=True)`` variant, which also serves the
 packed items of the same plan (work col 8 = -1); default plans keep the default kernel.
+
+Two consumer warpgroups: a plan made with ``tile_m=128`` (``DevicePlan.tile_m``) runs on the
+``IonAttentionSm90(consumers=2)`` variant (128-row q tiles, one 384-thread CTA per SM, both
+consumer warpgroups share every K/V stage); ``tile_m=64`` plans keep the default kernels.
 """
 
 from __future__ import annotations
@@ -78,11 +82,35 @@ def _fake_args(variant: Variant, unpacked: bool = False):
             cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1), stream)
 
 
-def make_kernel(variant: Variant, unpacked: bool = False):
+def _check_consumers(consumers: int) -> int:
+    if consumers not in (1, 2):
+        raise ValueError(f"consumers must be 1 (64-row q tiles) or 2 (128-row), got {consumers}")
+    return int(consumers)
+
+
+def consumers_for_tile_m(tile_m: int) -> int:
+    """Kernel consumer warpgroups that run plans of ``tile_m`` MMA rows per q tile."""
+    if tile_m not in (64, 128):
+        raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+    return tile_m // 64
+
+
+def ctas_per_sm_for(consumers: int) -> int:
+    """Resident CTAs per SM of the persistent grid: 2 for the default (256-thread) kernels,
+    1 for the 384-thread consumers=2 kernels."""
+    return CTAS_PER_SM if _check_consumers(consumers) == 1 else 1
+
+
+def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
-    ``unpacked``: the ``unpacked_prefill`` variant (same arguments)."""
+    ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
+    two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``)."""
     from .attention_sm90 import IonAttentionSm90
 
+    if _check_consumers(consumers) == 2:
+        return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
+                                variant.group_pad, variant.page_size, ctas_per_sm=1,
+                                unpacked_prefill=unpacked, consumers=2)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=CTAS_PER_SM,
@@ -91,12 +119,16 @@ def make_kernel(variant: Variant, unpacked: bool = False):
                             variant.page_size, ctas_per_sm=CTAS_PER_SM)
 
 
-def make_fused_kernel(variant: Variant, unpacked: bool = False):
+def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
-    ``unpacked_prefill`` variant."""
+    ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant."""
     from .attention_sm90 import IonAttentionSm90
 
+    if _check_consumers(consumers) == 2:
+        return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
+                                variant.group_pad, variant.page_size, ctas_per_sm=1,
+                                fresh_kv=True, unpacked_prefill=unpacked, consumers=2).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked).fused
@@ -150,20 +182,21 @@ fake_args = _fake_args
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(variant: Variant, unpacked: bool = False):
+def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_kernel(variant, unpacked), *fake_args(variant, unpacked),
+        return cute.compile(make_kernel(variant, unpacked, consumers),
+                            *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_fused(variant: Variant, unpacked: bool = False):
+def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_fused_kernel(variant, unpacked),
+        return cute.compile(make_fused_kernel(variant, unpacked, consumers),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -207,8 +240,12 @@ class DevicePlan:
 
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
-                 unpacked: bool = False):
+                 unpacked: bool = False, tile_m: int = 64):
         device = torch.device(device)
+        #: MMA rows of a q tile of the plans this holds: 64 runs the default kernels,
+        #: 128 the consumers=2 variants (upload refuses a plan of the other kind)
+        self.tile_m = int(tile_m)
+        self.consumers = consumers_for_tile_m(self.tile_m)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -253,6 +290,9 @@ class DevicePlan:
         if getattr(host_plan, "unpacked", False) and self.work_cols != WORK_COLS:
             raise RuntimeError("an unpacked_prefill plan needs a DevicePlan(unpacked=True) "
                                "(9-column work list)")
+        if getattr(host_plan, "tile_m", 64) != self.tile_m:
+            raise RuntimeError(f"plan has tile_m={getattr(host_plan, 'tile_m', 64)}, this "
+                               f"DevicePlan runs tile_m={self.tile_m} kernels")
         if host_plan.partial_rows > self.partial_rows_capacity:
             raise RuntimeError(f"plan needs {host_plan.partial_rows} partial rows, workspace "
                                f"holds {self.partial_rows_capacity}")
@@ -287,29 +327,35 @@ class DevicePlan:
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,
                      page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
                      allow_split: bool = True, max_splits: int = 16,
-                     fresh_kv: bool = False, unpacked_prefill: bool = False) -> DevicePlan:
+                     fresh_kv: bool = False, unpacked_prefill: bool = False,
+                     tile_m: int = 64) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
     key=, value=)``); a plan is only valid for the kind of call it was made for.
     ``unpacked_prefill=True`` tiles long prefill rows of padded GQA groups (G < Gp) one q
     head x 64 tokens (planner ``unpacked_requests``); ``ion_attention`` then launches the
-    unpacked_prefill kernel variant (``DevicePlan.unpacked``)."""
+    unpacked_prefill kernel variant (``DevicePlan.unpacked``).
+    ``tile_m=128``: 128-row q tiles for the two-consumer-warpgroup kernel
+    (``IonAttentionSm90(consumers=2)``, one CTA per SM, so ``num_ctas`` defaults to the
+    SM count); ``ion_attention`` picks that variant from ``DevicePlan.tile_m``."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
 
     if num_ctas is None:
         sms = num_sms(torch.device(device)) if torch.cuda.is_available() else 132
-        num_ctas = sms * CTAS_PER_SM
+        num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m))
     p = host_plan_fn(np.asarray(query_start_loc_cpu, dtype=np.int32),
                      np.asarray(seq_lens_cpu, dtype=np.int32),
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
                      num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
-                     fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill)
+                     fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill,
+                     tile_m=consumers_for_tile_m(tile_m) * 64)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
-                    head_dim=head_dim, device=device, unpacked=unpacked_prefill)
+                    head_dim=head_dim, device=device, unpacked=unpacked_prefill,
+                    tile_m=tile_m)
     return dp.upload(p)
 
 
@@ -416,13 +462,15 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     # a plan made with unpacked_prefill=True may hold unpacked items (work col 8 >= 0):
     # only the unpacked_prefill variant reads col 8 (it runs packed items as the default)
     unpacked = bool(getattr(plan, "unpacked", False))
+    # a tile_m=128 plan runs on the two-consumer-warpgroup variant (128-row q tiles)
+    consumers = consumers_for_tile_m(getattr(plan, "tile_m", 64))
     if fused:
-        _compiled_fused(variant, unpacked)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -434,20 +482,24 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
-               unpacked: bool = False) -> None:
+               unpacked: bool = False, consumers=1) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
+    ``consumers``: 1, 2 or a collection of them: the attention kernels of 64-row
+    (``tile_m=64`` plans) and / or 128-row (``tile_m=128``) q tiles.
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
     variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size)
-    _compiled(variant)
-    if fused:
-        _compiled_fused(variant)
-    if unpacked:
-        _compiled(variant, True)
+    kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
+    for c in sorted(set(_check_consumers(c) for c in kinds)):
+        _compiled(variant, False, c)
         if fused:
-            _compiled_fused(variant, True)
+            _compiled_fused(variant, False, c)
+        if unpacked:
+            _compiled(variant, True, c)
+            if fused:
+                _compiled_fused(variant, True, c)
     _compiled_combine(variant)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

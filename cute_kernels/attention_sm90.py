@@ -52,6 +52,14 @@ unpacked) for the causal mask and the output store (row r -> token q_start + r, 
 h*G + g; rows past the tile's token count are not stored).  Unpacked items are never split
 (the partial store keeps the packed row layout).  With ``fresh_kv`` too, of the G unpacked
 items holding a fresh tile's owner token only g == 0 stores it (``planner.fresh_tile_owned``).
+
+Two consumer warpgroups (``consumers=2``; with 1 the generated code is the kernel above):
+128-row q tiles (planner ``tile_m=128``), 384 threads, one CTA per SM.  Warpgroup 0 produces
+as above but loads a Q stage as two 64-row boxes (buffers ``2*stage`` and ``2*stage + 1``);
+warpgroup ``w`` = 1, 2 consumes buffer ``2*stage + w - 1`` and the SAME K/V stages: every
+empty barrier counts the 4 warps of both consumers (8 arrivals).  Consumer ``w`` sees its
+half as a 64-row tile whose first token is ``(64*(w-1)) >> shift`` tokens into the item
+(mask, output rows, partial rows ``+ 64*(w-1)``), so the helpers are unchanged.
 """
 
 from __future__ import annotations
@@ -79,22 +87,36 @@ class IonAttentionSm90:
     """
 
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
-                 kv_stages: int = 2, q_stages: int = 2, ctas_per_sm: int = 2,
-                 fresh_kv: bool = False, unpacked_prefill: bool = False):
+                 kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
+                 fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
             raise ValueError(f"group_pad must be 1, 2, 4 or 8, got {group_pad}")
         if page_size not in (64, 128):
             raise ValueError(f"page_size must be 64 or 128, got {page_size}")
+        if consumers not in (1, 2):
+            raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+        if ctas_per_sm is None:
+            ctas_per_sm = 2 if consumers == 1 else 1
+        if consumers == 2 and ctas_per_sm != 1:
+            raise ValueError("consumers=2 (384 threads, 128-row q tiles) runs one CTA per SM: "
+                             f"ctas_per_sm must be 1, got {ctas_per_sm}")
         self.dtype = dtype
         self.head_dim = head_dim
         self.group_pad = group_pad
-        self.tokens_per_tile = TILE_M // group_pad
+        # consumer warpgroups: 1 = 64-row q tiles (default); 2 = 128-row q tiles, consumer
+        # warpgroup w (1, 2) computes rows 64*(w-1) .. +63, both share every K/V stage
+        self.consumers = consumers
+        self.tile_rows = TILE_M * consumers
+        # tokens of a packed q tile (planner tile_m = self.tile_rows)
+        self.tokens_per_tile = self.tile_rows // group_pad
         self.page = page_size
         self.kv_stages = kv_stages
         self.q_stages = q_stages
-        self.threads = 256
+        # 64-row Q buffers in shared memory: one per consumer warpgroup per Q stage
+        self.q_bufs = q_stages * consumers
+        self.threads = 128 * (1 + consumers)
         # two CTAs per SM: 2 x 256 threads share the 64K-register file, so per CTA
         # 128 x 24 (producer) + 128 x 232 (consumer) = 32768 registers
         self.ctas_per_sm = ctas_per_sm
@@ -110,6 +132,11 @@ class IonAttentionSm90:
             # 40 / 216 compiles every variant spill-free (tests/test_fused_writeback_cpu.py)
             self.producer_regs = 40
             self.consumer_regs = 216 if ctas_per_sm == 2 else 240
+        if consumers == 2:
+            # one CTA of 384 threads per SM (entry budget 168 registers a thread):
+            # 128 x 24 + 256 x 240 = 128 x 40 + 256 x 232 = 64512 <= 65536
+            self.producer_regs = 40 if self.fresh_kv else 24
+            self.consumer_regs = 232 if self.fresh_kv else 240
         # unpacked prefill tiles (work col 8 >= 0): a second Q TMA atom (1 head x 64 tokens)
         # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
         self.unpacked = bool(unpacked_prefill)
@@ -198,7 +225,7 @@ class IonAttentionSm90:
         D = self.head_dim
         P = self.page
         Gp = self.group_pad
-        TPT = self.tokens_per_tile
+        TPT = TILE_M // Gp  # tokens of one 64-row packed Q box
 
         # Q viewed as (head, token, d): a (Gp, TPT, D) box starting at head h*G is the packed tile.
         q_view = cute.make_tensor(
@@ -226,7 +253,7 @@ class IonAttentionSm90:
             cutlass.Float32, (1, 1, 1), (TILE_M, D), warpgroup.OperandSource.RMEM)
 
         q_smem_staged = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.q_stages)
+            utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.q_bufs)
         k_smem_staged = sm90_utils.make_smem_layout_b(
             utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.kv_stages)
         v_smem_staged = sm90_utils.make_smem_layout_b(
@@ -356,7 +383,7 @@ class IonAttentionSm90:
         D = self.head_dim
         P = self.page
         Gp = self.group_pad
-        TPT = self.tokens_per_tile
+        TPT = TILE_M // Gp  # tokens of one 64-row packed Q box
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -366,9 +393,14 @@ class IonAttentionSm90:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        q_pipe = self._tma_pipeline(storage.q_mbar.data_ptr(), self.q_stages, self.q_bytes)
-        k_pipe = self._tma_pipeline(storage.k_mbar.data_ptr(), self.kv_stages, self.kv_bytes)
-        v_pipe = self._tma_pipeline(storage.v_mbar.data_ptr(), self.kv_stages, self.kv_bytes)
+        # a Q stage is one 64-row box per consumer warpgroup; every stage is released by
+        # the 4 warps of each consumer warpgroup (4 * consumers arrivals)
+        q_pipe = self._tma_pipeline(storage.q_mbar.data_ptr(), self.q_stages,
+                                    self.q_bytes * self.consumers, 4 * self.consumers)
+        k_pipe = self._tma_pipeline(storage.k_mbar.data_ptr(), self.kv_stages, self.kv_bytes,
+                                    4 * self.consumers)
+        v_pipe = self._tma_pipeline(storage.v_mbar.data_ptr(), self.kv_stages, self.kv_bytes,
+                                    4 * self.consumers)
         q_prod, q_cons = q_pipe.make_participants()
         k_prod, k_cons = k_pipe.make_participants()
         v_prod, v_cons = v_pipe.make_participants()
@@ -379,7 +411,7 @@ class IonAttentionSm90:
         # (Gp, TPT, D, stages) view of the Q buffer for the TMA box
         sQ_box = cute.make_tensor(
             cute.recast_ptr(sQ.iterator, q_smem_box.inner),
-            cute.append(q_smem_box.outer, cute.make_layout(self.q_stages,
+            cute.append(q_smem_box.outer, cute.make_layout(self.q_bufs,
                                                            stride=cute.cosize(q_smem_box.outer))),
         )
 
@@ -389,7 +421,7 @@ class IonAttentionSm90:
             sQ_box_u = cute.make_tensor(
                 cute.recast_ptr(sQ.iterator, q_smem_box_u.inner),
                 cute.append(q_smem_box_u.outer,
-                            cute.make_layout(self.q_stages,
+                            cute.make_layout(self.q_bufs,
                                              stride=cute.cosize(q_smem_box_u.outer))),
             )
 
@@ -429,7 +461,15 @@ class IonAttentionSm90:
                     p1 = mWork[it, W_P1]
                     tok0 = mQSL[b] + q_start
                     qh = -1
-                    if cutlass.const_expr(not self.unpacked):
+                    if cutlass.const_expr(self.consumers == 2):
+                        # 128-row tile: two 64-row Q boxes (one per consumer warpgroup) into
+                        # buffers 2 * stage + half, completing on the stage's one barrier
+                        q_handle = q_prod.acquire_and_advance()
+                        if cutlass.const_expr(self.unpacked):
+                            qh = mWork[it, W_QHEAD]
+                        self._load_q_halves(tma_q, mQ_tma, sQ_box, tma_qu, mQu_tma, sQ_box_u,
+                                            q_handle, h * group_size, tok0, qh)
+                    elif cutlass.const_expr(not self.unpacked):
                         # packed Q tile: heads h*G .. h*G+Gp-1, tokens tok0 .. tok0+TPT-1
                         gQ = cute.local_tile(
                             cute.domain_offset((h * group_size, tok0, 0), mQ_tma),
@@ -555,6 +595,12 @@ class IonAttentionSm90:
             # ------------------------------------------------------------ consumer
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             ctid = tidx - 128
+            q_half = 0
+            if cutlass.const_expr(self.consumers == 2):
+                # consumer warpgroup w = 1, 2 computes rows 64*(w-1) .. +63 of the 128-row
+                # tile from Q buffer 2 * stage + (w - 1)
+                ctid = tidx - 128 * wg_idx
+                q_half = wg_idx - 1
             # accumulate-always: S is zeroed in registers before each QK^T, so the tiled MMAs
             # are never mutated inside the dynamic loops
             qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -599,6 +645,19 @@ class IonAttentionSm90:
                         shift = cutlass.Int32(0)
                         gmask = cutlass.Int32(0)
                         head_base = head_base + qh
+                poff_rows = 0
+                if cutlass.const_expr(self.consumers == 2):
+                    # this warpgroup's half as a 64-row tile: its first token is tok_off
+                    # tokens into the item (row 64*(w-1) -> token (64*(w-1)) >> shift), it
+                    # holds q_cnt - tok_off of the item's tokens (<= 0: none, nothing is
+                    # stored) and its split-KV partial rows start 64*(w-1) rows further
+                    poff_rows = q_half * TILE_M
+                    tok_off = q_half * TPT
+                    if cutlass.const_expr(self.unpacked):
+                        tok_off = poff_rows >> shift
+                    pos0 = pos0 + tok_off
+                    q_start = q_start + tok_off
+                    q_cnt = q_cnt - tok_off
                 ctx = 0
                 n_old = 0
                 if cutlass.const_expr(self.fresh_kv):
@@ -613,9 +672,12 @@ class IonAttentionSm90:
                 acc_o.fill(0.0)
 
                 q_handle = q_cons.wait_and_advance()
+                q_buf = q_handle.index
+                if cutlass.const_expr(self.consumers == 2):
+                    q_buf = q_handle.index * 2 + q_half
                 # first page: S = Q K^T, softmax -> P
                 k_handle = k_cons.wait_and_advance()
-                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_handle.index, k_handle.index)
+                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
                 if cutlass.const_expr(self.fresh_kv):
@@ -628,7 +690,7 @@ class IonAttentionSm90:
                 # previous page is consumed by O += P V_{p-1}; O is rescaled once that PV is done.
                 for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
                     k_handle = k_cons.wait_and_advance()
-                    self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_handle.index, k_handle.index)
+                    self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                     v_handle = v_cons.wait_and_advance()
                     self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
                     cute.nvgpu.warpgroup.wait_group(1)
@@ -661,21 +723,58 @@ class IonAttentionSm90:
                         self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
                                         mQSL[b] + q_start, h * group_size)
                 else:
+                    poff_w = poff
+                    if cutlass.const_expr(self.consumers == 2):
+                        poff_w = poff + poff_rows
                     self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial,
-                                        row0, q_cnt, group_size, poff, scale_log2)
+                                        row0, q_cnt, group_size, poff_w, scale_log2)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _tma_pipeline(barriers, stages: int, tx_bytes: int):
-        """mbarrier pipeline: one TMA-issuing producer thread, the 4 consumer warps."""
+    def _tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_arrivals: int = 4):
+        """mbarrier pipeline: one TMA-issuing producer thread; the consumer side is released
+        by lane 0 of every consumer warp (PipelineTmaAsync signals once per warp), so the
+        empty barriers count 4 arrivals per consumer warpgroup."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
             tx_count=tx_bytes,
             defer_sync=True,
         )
+
+    @cute.jit
+    def _load_q_halves(self, tma_q, mQ_tma, sQ_box, tma_qu, mQu_tma, sQ_box_u, q_handle,
+                       head0, tok0, qh):
+        """consumers=2: the Q stage of a 128-row tile as two 64-row boxes, box ``half`` into
+        buffer ``2 * stage + half`` (the Q of consumer warpgroup ``half + 1``).  Packed:
+        (Gp heads, 64 // Gp tokens) at token ``tok0 + half * 64 // Gp``; unpacked item
+        (``qh >= 0``): (q head ``head0 + qh``, 64 tokens) at token ``tok0 + half * 64``."""
+        Gp = self.group_pad
+        D = self.head_dim
+        TPT = TILE_M // Gp
+        for half in cutlass.range_constexpr(self.consumers):
+            buf = q_handle.index * self.consumers + half
+            if cutlass.const_expr(self.unpacked):
+                if qh < 0:
+                    self._load_q_box(tma_q, mQ_tma, sQ_box, (Gp, TPT, D), head0,
+                                     tok0 + half * TPT, buf, q_handle.barrier)
+                else:
+                    self._load_q_box(tma_qu, mQu_tma, sQ_box_u, (1, TILE_M, D), head0 + qh,
+                                     tok0 + half * TILE_M, buf, q_handle.barrier)
+            else:
+                self._load_q_box(tma_q, mQ_tma, sQ_box, (Gp, TPT, D), head0,
+                                 tok0 + half * TPT, buf, q_handle.barrier)
+
+    @cute.jit
+    def _load_q_box(self, tma, mQ_tma, sQ_box, box, head, tok, buf, bar):
+        """One Q TMA box (heads, tokens, D) at (head, tok) into Q buffer ``buf``."""
+        gQ = cute.local_tile(cute.domain_offset((head, tok, 0), mQ_tma), box, (0, 0, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sQ_box, 0, 3),
+            cute.group_modes(gQ, 0, 3))
+        cute.copy(tma, tQgQ, tQsQ[(None, buf)], tma_bar_ptr=bar)
 
     @cute.jit
     def _issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage):

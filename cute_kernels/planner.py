@@ -260,6 +260,9 @@ class Plan:
     # True: made with unpacked_prefill=True (col 8 may hold q heads >= 0: the kernel
     # variant IonAttentionSm90(unpacked_prefill=True) must run it)
     unpacked: bool = False
+    # MMA rows of a q tile: 64 (IonAttentionSm90 default) or 128 (consumers=2 variant);
+    # packed tiles hold tile_m // Gp tokens, unpacked tiles tile_m tokens
+    tile_m: int = 64
 
     @property
     def n_items(self) -> int:
@@ -383,7 +386,8 @@ def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
     return tile, sidx, p0, p1
 
 
-def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False) -> Plan:
+def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False,
+                tile_m: int = 64) -> Plan:
     return Plan(
         work=np.zeros((0, WORK_COLS), dtype=np.int32),
         cta_offsets=np.zeros(num_ctas + 1, dtype=np.int32),
@@ -396,6 +400,7 @@ def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False) -
         modeled_us=0.0,
         fresh_kv=fresh_kv,
         unpacked=unpacked,
+        tile_m=tile_m,
     )
 
 
@@ -459,7 +464,7 @@ def plan(
         bad = int(np.flatnonzero(live & (sl < q_len))[0])
         raise ValueError(f"seq_lens[{bad}]={int(sl[bad])} < q_len={int(q_len[bad])}")
     if not np.any(live):
-        return _empty_plan(num_ctas, fresh_kv, bool(unpacked_prefill))
+        return _empty_plan(num_ctas, fresh_kv, bool(unpacked_prefill), tile_m)
     if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise OverflowError("sequence lengths / token counts must fit in int32")
 
@@ -619,6 +624,7 @@ def plan(
         modeled_us=float(cta_cost.max()) + comb_us,
         fresh_kv=bool(fresh_kv),
         unpacked=bool(unpacked_prefill),
+        tile_m=tile_m,
     )
 
 
