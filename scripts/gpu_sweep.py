@@ -262,26 +262,26 @@ FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_l
 
 
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
-              unpacked: bool = False):
+              unpacked: bool = False, tile_m: int = 64):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     import numpy as np
     import torch
 
-    from cute_kernels.attention import DevicePlan, num_sms
+    from cute_kernels.attention import (DevicePlan, consumers_for_tile_m, ctas_per_sm_for,
+                                        num_sms)
     from cute_kernels.planner import CostModel, plan
-    from cute_kernels.variants import CTAS_PER_SM
 
     dev = torch.device(device)
     sms = num_sms(dev) if dev.type == "cuda" else 132
-    num_ctas = sms * CTAS_PER_SM
+    num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m))
     cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
     hp = plan(np.asarray(qsl.cpu(), np.int32), np.asarray(sl.cpu(), np.int32),
               num_kv_heads=case.hkv, group_size=case.g, page_size=PAGE, num_ctas=num_ctas,
-              cost_model=cm, fresh_kv=fresh_kv, unpacked_prefill=unpacked)
+              cost_model=cm, fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m)
     dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
                     partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas,
-                    head_dim=case.d, device=dev, unpacked=unpacked)
+                    head_dim=case.d, device=dev, unpacked=unpacked, tile_m=tile_m)
     return dp.upload(hp)
 
 
@@ -309,7 +309,7 @@ def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
 
 def run_case(case: SweepCase, device, tol: float, fault: str = "none",
              impl=None, path: str = "append", force_split: bool = False,
-             unpacked: bool = False) -> Dict:
+             unpacked: bool = False, tile_m: int = 64) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -339,8 +339,8 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         reference_kv_append(key, value, ref_k, ref_v, slots)
         fused = path == "fused"
         plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
-                         unpacked=unpacked)
-        res.update(path=path, forced_split=force_split,
+                         unpacked=unpacked, tile_m=tile_m)
+        res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
                    partial_rows=int(plan.host.partial_rows))
@@ -470,6 +470,8 @@ def parse_args(argv=None):
     ap.add_argument("--path", choices=("append", "fused"), default="append",
                     help="append: kv_append then attention (the backend's default); fused: "
                          "one call writes the cache and attends (ION_FUSED_KV_WRITEBACK=1)")
+    ap.add_argument("--tile-m", type=int, choices=(64, 128), default=64,
+                    help="q tile rows: 128 runs the two-consumer-warpgroup kernel")
     ap.add_argument("--unpacked-prefill", action="store_true",
                     help="plan with unpacked prefill tiles (ION_UNPACKED_PREFILL=1 variant)")
     ap.add_argument("--force-split-every", type=int, default=4,
@@ -503,7 +505,7 @@ def main(argv=None) -> int:
             fs = args.force_split_every > 0 and c.index % args.force_split_every == (
                 args.force_split_every - 1)
             r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
-                         unpacked=args.unpacked_prefill)
+                         unpacked=args.unpacked_prefill, tile_m=args.tile_m)
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -516,7 +518,7 @@ def main(argv=None) -> int:
                       f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
     summary = summarize(cases, results, args.tol)
     summary.update(seed=args.seed, fault=args.fault, path=args.path,
-                   unpacked_prefill=args.unpacked_prefill,
+                   unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),

@@ -3,8 +3,9 @@
 #   1. the GPU pytest files of the kernels (batch invariance, fused writeback, unpacked
 #      prefill tiles, kv_append);
 #   2. the randomized sweep against the fp32 reference, --cases N per path (default 500),
-#      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked;
-#   3. the anchor A/B: ion, ion-unpacked and FA3 in one ion-bench run.
+#      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked,
+#      and 128-row tiles on two consumer warpgroups (with unpacked prefill);
+#   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Each step has its own time limit and the script keeps going after a failure.
 # Run it on the GPU host with the project installed and CuTeDSL + vLLM importable.
 #   scripts/kernel_validation.sh OUT_DIR [CASES]
@@ -32,22 +33,24 @@ step() {  # step NAME SECONDS CMD...
 
 step pytest-gpu 900 python3 -m pytest -m gpu -q -p no:cacheprovider \
   tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py \
-  tests/test_unpacked_prefill_gpu.py tests/test_kv_append.py
+  tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
 step sweep-append 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet \
   --out "$out/sweep-append"
 step sweep-fused 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet --path fused \
   --out "$out/sweep-fused"
 step sweep-unpacked 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet \
   --unpacked-prefill --out "$out/sweep-unpacked"
+step sweep-m128 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet --tile-m 128 \
+  --unpacked-prefill --out "$out/sweep-m128"
 step bench-anchors 600 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-  --backends ion,ion-unpacked,fa3 --out "$out/bench"
+  --backends ion,ion-unpacked,ion-m128,ion-m128-unpacked,fa3 --out "$out/bench"
 
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
-for name in ("sweep-append", "sweep-fused", "sweep-unpacked"):
+for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

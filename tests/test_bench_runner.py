@@ -178,6 +178,8 @@ def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
     monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
     monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
     assert "ion-unpacked" in kr.BACKENDS and "ion-unpacked" in kr.PREPARE
-    kr.PREPARE["ion"](CASES[0], 0, "cpu", {})
-    kr.PREPARE["ion-unpacked"](CASES[0], 0, "cpu", {})
-    assert seen == [{}, {"unpacked_prefill": True}]
+    for name in ("ion", "ion-unpacked", "ion-m128", "ion-m128-unpacked"):
+        assert name in kr.BACKENDS
+        kr.PREPARE[name](CASES[0], 0, "cpu", {})
+    assert seen == [{}, {"unpacked_prefill": True}, {"tile_m": 128},
+                    {"tile_m": 128, "unpacked_prefill": True}]

@@ -259,6 +259,16 @@ def test_unpacked_plans_in_the_sweep_on_cpu():
     assert r["unpacked_items"] == 0
 
 
+def test_tile_m_128_plans_in_the_sweep_on_cpu():
+    """--tile-m 128: plans of 128-row tiles (one CTA per SM), recorded per case."""
+    case = SMALL[0]
+    for path in ("append", "fused"):
+        r = sw.run_case(case, "cpu", 1e-2, impl=_ref_impl(), path=path, tile_m=128,
+                        force_split=True)
+        assert r["error"] is None, r.get("traceback")
+        assert r["pass"] and r["tile_m"] == 128
+
+
 def test_fault_injection_fails_every_case():
     for case in SMALL[:6]:
         r = sw.run_case(case, "cpu", 1e-2, fault="spare_pages", impl=_ref_impl())

@@ -28,7 +28,7 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-unpacked", "fa3", "fa4", "triton")
+BACKENDS = ("ion", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
@@ -282,7 +282,19 @@ def prepare_ion_unpacked(case: Case, rot: int, device, shared: dict) -> Prepared
     return prepare_ion(case, rot, device, shared, unpacked_prefill=True)
 
 
+def prepare_ion_m128(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """ION with 128-row q tiles on two consumer warpgroups sharing each K/V page
+    (``tile_m=128`` plan, ``consumers=2`` kernel, 1 CTA/SM; v4 candidate 2)."""
+    return prepare_ion(case, rot, device, shared, tile_m=128)
+
+
+def prepare_ion_m128_unpacked(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-m128`` plus unpacked prefill tiles (one q head x 128 tokens)."""
+    return prepare_ion(case, rot, device, shared, tile_m=128, unpacked_prefill=True)
+
+
 PREPARE = {"ion": prepare_ion, "ion-unpacked": prepare_ion_unpacked,
+           "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
            "triton": prepare_triton}
 

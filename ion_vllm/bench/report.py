@@ -20,7 +20,8 @@ import re
 import statistics
 from pathlib import Path
 
-KERNEL_ORDER = ("ion", "ion-unpacked", "fa3", "fa4", "triton")
+KERNEL_ORDER = ("ion", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3", "fa4",
+                "triton")
 E2E_ORDER = ("ION", "ION+unpacked", "ION+fused", "ION+fused+unpacked", "FLASH_ATTN")
 KERNEL_BASELINE = "fa3"
 E2E_BASELINE = "FLASH_ATTN"
