@@ -328,7 +328,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
                      allow_split: bool = True, max_splits: int = 16,
                      fresh_kv: bool = False, unpacked_prefill: bool = False,
-                     tile_m: int = 64) -> DevicePlan:
+                     tile_m: int = 64, cost_model=None) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -338,20 +338,23 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     unpacked_prefill kernel variant (``DevicePlan.unpacked``).
     ``tile_m=128``: 128-row q tiles for the two-consumer-warpgroup kernel
     (``IonAttentionSm90(consumers=2)``, one CTA per SM, so ``num_ctas`` defaults to the
-    SM count); ``ion_attention`` picks that variant from ``DevicePlan.tile_m``."""
+    SM count); ``ion_attention`` picks that variant from ``DevicePlan.tile_m``.
+    ``cost_model``: the planner's ``CostModel`` (default: the planner's own), e.g. one
+    that makes splitting cheap so tests can force split-KV."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
 
     if num_ctas is None:
-        sms = num_sms(torch.device(device)) if torch.cuda.is_available() else 132
+        dev = torch.device(device)
+        sms = num_sms(dev) if dev.type == "cuda" else 132
         num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m))
     p = host_plan_fn(np.asarray(query_start_loc_cpu, dtype=np.int32),
                      np.asarray(seq_lens_cpu, dtype=np.int32),
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
                      num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
                      fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill,
-                     tile_m=consumers_for_tile_m(tile_m) * 64)
+                     tile_m=consumers_for_tile_m(tile_m) * 64, cost_model=cost_model)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,

@@ -265,24 +265,14 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
               unpacked: bool = False, tile_m: int = 64):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
-    import numpy as np
-    import torch
+    from cute_kernels.attention import make_device_plan
+    from cute_kernels.planner import CostModel
 
-    from cute_kernels.attention import (DevicePlan, consumers_for_tile_m, ctas_per_sm_for,
-                                        num_sms)
-    from cute_kernels.planner import CostModel, plan
-
-    dev = torch.device(device)
-    sms = num_sms(dev) if dev.type == "cuda" else 132
-    num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m))
     cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
-    hp = plan(np.asarray(qsl.cpu(), np.int32), np.asarray(sl.cpu(), np.int32),
-              num_kv_heads=case.hkv, group_size=case.g, page_size=PAGE, num_ctas=num_ctas,
-              cost_model=cm, fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m)
-    dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
-                    partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas,
-                    head_dim=case.d, device=dev, unpacked=unpacked, tile_m=tile_m)
-    return dp.upload(hp)
+    return make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=case.hkv, group_size=case.g,
+                            page_size=PAGE, head_dim=case.d, device=device,
+                            fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m,
+                            cost_model=cm)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:

@@ -46,18 +46,12 @@ def _new_kv(total_q, hq, hkv, d, dtype, gen, strided):
 
 
 def _device_plan(qsl, sl, hkv, g, d, force_split):
-    from cute_kernels.attention import DevicePlan, num_sms
-    from cute_kernels.planner import CostModel, plan
-    from cute_kernels.variants import CTAS_PER_SM
+    from cute_kernels.attention import make_device_plan
+    from cute_kernels.planner import CostModel
 
-    num_ctas = num_sms(torch.device("cuda")) * CTAS_PER_SM
     cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else None
-    hp = plan(np.asarray(qsl, np.int32), np.asarray(sl, np.int32), num_kv_heads=hkv,
-              group_size=g, page_size=P, num_ctas=num_ctas, cost_model=cm, fresh_kv=True)
-    dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
-                    partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas, head_dim=d,
-                    device="cuda")
-    return dp.upload(hp)
+    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
+                            device="cuda", fresh_kv=True, cost_model=cm)
 
 
 def _run_case(q_lens, seq_lens, *, hq, hkv, d, dtype=torch.bfloat16, seed=0, pad_rows=0,

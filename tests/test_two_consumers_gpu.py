@@ -63,18 +63,13 @@ def _random_batch(rng, n_long):
 
 def _device_plan(qsl, sl, hkv, g, d, *, tile_m, force_split=False, unpacked=False,
                  fresh_kv=False):
-    from cute_kernels.attention import DevicePlan, ctas_per_sm_for, num_sms
-    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.attention import make_device_plan
+    from cute_kernels.planner import CostModel
 
-    num_ctas = num_sms(torch.device("cuda")) * ctas_per_sm_for(tile_m // 64)
     cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
-    hp = plan(np.asarray(qsl, np.int32), np.asarray(sl, np.int32), num_kv_heads=hkv,
-              group_size=g, page_size=P, num_ctas=num_ctas, cost_model=cm, tile_m=tile_m,
-              unpacked_prefill=unpacked, fresh_kv=fresh_kv)
-    dp = DevicePlan(item_capacity=hp.n_items, group_capacity=hp.combine.shape[0],
-                    partial_rows_capacity=hp.partial_rows, num_ctas=num_ctas, head_dim=d,
-                    device="cuda", unpacked=unpacked, tile_m=tile_m)
-    return dp.upload(hp)
+    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
+                            device="cuda", fresh_kv=fresh_kv, unpacked_prefill=unpacked,
+                            tile_m=tile_m, cost_model=cm)
 
 
 def _check_out(out, ref, mask, what):
