@@ -34,24 +34,6 @@ import tempfile
 import time
 
 
-def metric_sums(llm) -> dict[str, float]:
-    """Counters and gauges summed over labels, as floats.  Read from the Prometheus
-    registry directly: ``LLM.get_metrics()`` truncates counters to int, which turns
-    the transfer-time counters (seconds) into 0."""
-    del llm  # the engine's metrics live in this process's default registry
-    from prometheus_client import REGISTRY
-
-    out: dict[str, float] = {}
-    for fam in REGISTRY.collect():
-        if fam.type not in ("counter", "gauge") or not fam.name.startswith("vllm:"):
-            continue
-        for smp in fam.samples:
-            if fam.type == "counter" and not smp.name.endswith("_total"):
-                continue  # skip *_created
-            out[fam.name] = out.get(fam.name, 0.0) + float(smp.value)
-    return out
-
-
 def has_weights(model_dir: str) -> bool:
     from ion_vllm.bench.e2e import WEIGHT_SUFFIXES
 
@@ -68,6 +50,8 @@ def pct(xs: list[float], p: float) -> float:
 
 def child(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    from ion_vllm.kv_tier.stats import prometheus_sums
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=cfg["model"], seed=0, kv_cache_memory_bytes=cfg["kv_bytes"],
@@ -99,7 +83,7 @@ def child(cfg: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     # warm-up (not measured): compile/capture on an unrelated prompt
     llm.generate([TokensPrompt(prompt_token_ids=tok(64))], sp, use_tqdm=False)
-    m0 = metric_sums(llm)
+    m0 = prometheus_sums()
     ttft: list[float] = []
     n_in = n_out = 0
     t0 = time.perf_counter()
@@ -119,7 +103,7 @@ def child(cfg: dict) -> dict:
                 if r.metrics is not None and r.metrics.first_token_latency:
                     ttft.append(r.metrics.first_token_latency)
     wall = time.perf_counter() - t0
-    m1 = metric_sums(llm)
+    m1 = prometheus_sums()
     d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
 
     def gbps(b: str, t: str) -> float | None:

@@ -29,20 +29,10 @@ import sys
 import tempfile
 
 
-def metric_sums(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        for m in llm.get_metrics():
-            v = getattr(m, "value", None)
-            if isinstance(v, (int, float)):
-                out[m.name] = out.get(m.name, 0.0) + float(v)
-    except Exception as e:  # stats disabled / API change: report, don't hide
-        out["_metrics_error"] = str(e)  # type: ignore[assignment]
-    return out
-
-
 def child(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
+
+    from ion_vllm.kv_tier.stats import prometheus_sums
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=cfg["model"], seed=0, enforce_eager=cfg["enforce_eager"],
@@ -61,7 +51,7 @@ def child(cfg: dict) -> dict:
     for wave in range(cfg["waves"]):  # later waves reuse prefixes of earlier ones
         res = llm.generate(prompts, sp, use_tqdm=False)
         outs += [list(o.outputs[0].token_ids) for o in res]
-    return {"outputs": outs, "metrics": metric_sums(llm)}
+    return {"outputs": outs, "metrics": prometheus_sums()}
 
 
 def offload_config(cfg: dict) -> dict:

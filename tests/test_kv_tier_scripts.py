@@ -9,11 +9,13 @@ import pytest
 
 from script_loader import load_script
 
+from ion_vllm.kv_tier.stats import prometheus_sums
+
 bench = load_script("kv_tier_bench.py", "kv_tier_bench_script")
 preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_script")
 
 
-def test_metric_sums_keeps_fractional_seconds():
+def test_prometheus_sums_keeps_fractional_seconds():
     """GB/s = bytes / seconds: the time counters must not be truncated to int (vLLM's
     LLM.get_metrics does that, which read 0 s on the GPU run)."""
     from prometheus_client import Counter, Gauge
@@ -23,7 +25,7 @@ def test_metric_sums_keeps_fractional_seconds():
     c.labels("1").inc(0.5)
     g = Gauge("vllm:ion_test_ring_used", "slots")
     g.set(3)
-    m = bench.metric_sums(None)
+    m = prometheus_sums()
     assert m["vllm:ion_test_store_time"] == pytest.approx(0.75)
     assert m["vllm:ion_test_ring_used"] == 3.0
     assert not any(k.endswith("_created") for k in m)

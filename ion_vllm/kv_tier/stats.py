@@ -40,6 +40,23 @@ class M:
     INFLIGHT_STORE_PERC = PREFIX + "inflight_store_window_perc"
 
 
+def prometheus_sums(prefix: str = "vllm:") -> dict[str, float]:
+    """This process's vLLM counters and gauges summed over labels, as floats, read from the
+    Prometheus registry directly (``LLM.get_metrics()`` truncates counters to int, which
+    turns the seconds of ``vllm:kv_offload_*_time`` into 0).  Used by the KV-tier scripts."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        if fam.type not in ("counter", "gauge") or not fam.name.startswith(prefix):
+            continue
+        for smp in fam.samples:
+            if fam.type == "counter" and not smp.name.endswith("_total"):
+                continue  # skip *_created
+            out[fam.name] = out.get(fam.name, 0.0) + float(smp.value)
+    return out
+
+
 def metric_definitions() -> dict[str, Any]:
     """Definitions in the form OffloadingSpec.build_metric_definitions returns."""
     from vllm.v1.kv_offload.base import (
