@@ -466,6 +466,9 @@ def parse_args(argv=None):
                     help="plan with unpacked prefill tiles (ION_UNPACKED_PREFILL=1 variant)")
     ap.add_argument("--force-split-every", type=int, default=4,
                     help="plan every N-th case with a split-friendly cost model (0: never)")
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds; start no new case after this (0: no limit). The summary "
+                         "then covers the cases run and records how many were planned")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     ap.add_argument("--quiet", action="store_true", help="no per-case lines")
@@ -492,6 +495,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with open(os.path.join(out_dir, "cases.jsonl"), "w") as f:
         for c in cases:
+            if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                break
             fs = args.force_split_every > 0 and c.index % args.force_split_every == (
                 args.force_split_every - 1)
             r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
@@ -506,8 +511,8 @@ def main(argv=None) -> int:
                       f"B{len(c.q_lens)} q{c.total_q} kv{c.total_kv} "
                       f"split={r.get('split_items', 0)} "
                       f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
-    summary = summarize(cases, results, args.tol)
-    summary.update(seed=args.seed, fault=args.fault, path=args.path,
+    summary = summarize(cases[:len(results)], results, args.tol)
+    summary.update(cases_planned=len(cases), seed=args.seed, fault=args.fault, path=args.path,
                    unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Validate every IonAttention kernel path on a Hopper GPU in one go. It runs:
 #   1. the GPU pytest files of the kernels (batch invariance, fused writeback, unpacked
-#      prefill tiles, kv_append);
+#      prefill tiles, two consumer warpgroups, kv_append);
 #   2. the randomized sweep against the fp32 reference, --cases N per path (default 500),
 #      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked,
 #      and 128-row tiles on two consumer warpgroups (with unpacked prefill);
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
+# Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
+# CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
+# no two processes write one cache). Step 3 times kernels and always runs alone, afterwards.
+# KVAL_STEP_S caps each correctness step (default 600 s), KVAL_BENCH_S the A/B (600 s).
 # Each step has its own time limit and the script keeps going after a failure.
 # Run it on the GPU host with the project installed and CuTeDSL + vLLM importable.
 #   scripts/kernel_validation.sh OUT_DIR [CASES]
@@ -27,23 +31,45 @@ step() {  # step NAME SECONDS CMD...
   if [ "$rc" -eq 0 ] && [ "$name" = pytest-gpu ] && ! grep -q " passed" "$out/$name.log"; then
     rc=5
   fi
-  printf '%-16s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$out/steps.txt"
+  printf '%-16s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" > "$out/$name.step"
+  cat "$out/$name.step"
   tail -4 "$out/$name.log"
 }
 
-step pytest-gpu 900 python3 -m pytest -m gpu -q -p no:cacheprovider \
-  tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py \
-  tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
-step sweep-append 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet \
-  --out "$out/sweep-append"
-step sweep-fused 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet --path fused \
-  --out "$out/sweep-fused"
-step sweep-unpacked 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet \
-  --unpacked-prefill --out "$out/sweep-unpacked"
-step sweep-m128 600 python3 scripts/gpu_sweep.py --cases "$cases" --quiet --tile-m 128 \
-  --unpacked-prefill --out "$out/sweep-m128"
-step bench-anchors 600 python3 -m ion_vllm.bench.cli kernel --suite anchors \
+step_s=${KVAL_STEP_S:-600}
+bench_s=${KVAL_BENCH_S:-600}
+cache_root=${CUTE_DSL_CACHE_DIR:-/tmp/ion-cute-cache}
+# sweeps stop starting cases 60 s before their step's limit, so each still writes a summary
+budget=$(( step_s > 120 ? step_s - 60 : step_s / 2 ))
+checks=(
+  "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+     tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
+     tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py"
+  "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
+  "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
+     --out $out/sweep-fused"
+  "sweep-unpacked python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --unpacked-prefill
+     --out $out/sweep-unpacked"
+  "sweep-m128 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --tile-m 128
+     --unpacked-prefill --out $out/sweep-m128"
+)
+pids=()
+for c in "${checks[@]}"; do
+  read -r -a argv <<< "$(echo $c)"
+  name=${argv[0]}
+  if [ "${KVAL_PARALLEL:-0}" = 1 ]; then
+    CUTE_DSL_CACHE_DIR="$cache_root-$name" step "$name" "$step_s" "${argv[@]:1}" &
+    pids+=($!)
+  else
+    step "$name" "$step_s" "${argv[@]:1}"
+  fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+step bench-anchors "$bench_s" python3 -m ion_vllm.bench.cli kernel --suite anchors \
   --backends ion,ion-unpacked,ion-m128,ion-m128-unpacked,fa3 --out "$out/bench"
+for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 bench-anchors; do
+  cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
+done > "$out/steps.txt"
 
 python3 - "$out" <<'PY'
 import json, os, sys
@@ -54,7 +80,8 @@ for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))
-        lines.append(f"- {name}: {s['verdict']} {s['passed']}/{s['cases']}, max rel err "
+        lines.append(f"- {name}: {s['verdict']} {s['passed']}/{s['cases']} (of {s.get('cases_planned')} planned), "
+                     f"max rel err "
                      f"{s['max_rel_err']}, cases with split-KV {s.get('cases_with_split_kv')}, "
                      f"with unpacked tiles {s.get('cases_with_unpacked_tiles')}")
     else:

@@ -14,10 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
-def test_script_completes_and_summarizes_without_gpu(tmp_path):
+@pytest.mark.parametrize("parallel", ["0", "1"])
+def test_script_completes_and_summarizes_without_gpu(tmp_path, parallel):
     out = tmp_path / "kv"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
-               + os.environ.get("PATH", ""), HF_HUB_OFFLINE="1")
+               + os.environ.get("PATH", ""), HF_HUB_OFFLINE="1", KVAL_PARALLEL=parallel,
+               CUTE_DSL_CACHE_DIR=str(tmp_path / "cute-cache"))
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "kernel_validation.sh"),
                         str(out), "4"], capture_output=True, text=True, env=env, timeout=900,
                        check=False)
