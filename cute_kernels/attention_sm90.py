@@ -35,8 +35,11 @@ Masks: old-page keys are valid iff ``< ctx``, fresh keys iff ``<=`` the query's 
 The one item owning fresh tile k (``planner.fresh_tile_owned``: its q tile holds new token
 ``min(k*P + P-1, q_len-1)``) has the producer wait on the stage's full barrier and TMA-store
 the K and V tiles from shared memory into the cache: page ``pos // P`` at row offset
-``pos % P`` and, when valid rows reach past it, the next page at row offset ``pos % P - P``
-(``pos = ctx + k*P``; rows outside the page are clipped by the TMA bounds).  Before a stage
+``pos % P`` (``pos = ctx + k*P``; tile rows past the page are clipped by the TMA bounds).
+When valid rows reach into the next page, the producer warp copies those rows (tile rows
+``P - pos % P ..``) into rows ``0 ..`` of that page with plain stores: a TMA store there would
+need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``;
+only prefill chunks whose context is not page-aligned straddle, decode tiles never do).  Before a stage
 is refilled the producer waits for the store that read it (``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
 region from the cache, so there is no cross-CTA ordering.
@@ -310,7 +313,7 @@ class IonAttentionSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), v_view,
                 cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
             fresh_args = (tma_kf, tma_tensor_kf, tma_vf, tma_tensor_vf,
-                          tma_ks, tma_tensor_ks, tma_vs, tma_tensor_vs)
+                          tma_ks, tma_tensor_ks, tma_vs, tma_tensor_vs, k_view, v_view)
 
         self.q_bytes = cute.size_in_bytes(dt, q_smem_one)
         self.kv_bytes = cute.size_in_bytes(dt, cute.slice_(k_smem_staged, (None, None, 0)))
@@ -376,6 +379,8 @@ class IonAttentionSm90:
         mKs_tma: cute.Tensor = None,
         tma_vs: cute.CopyAtom = None,
         mVs_tma: cute.Tensor = None,
+        mKc: cute.Tensor = None,          # fresh_kv only: the caches as (row, d, head, page)
+        mVc: cute.Tensor = None,          # and (d, row, head, page), for the straddle copy
         tma_qu: cute.CopyAtom = None,     # unpacked_prefill only: 1 head x 64 tokens Q box
         mQu_tma: cute.Tensor = None,
         q_smem_box_u: cute.ComposedLayout = None,
@@ -581,12 +586,27 @@ class IonAttentionSm90:
                                         # then store it from smem
                                         cute.arch.mbarrier_wait(k_handle.barrier,
                                                                 (k_handle.count // S) % 2)
+                                        # valid rows reaching into page pg + 1
+                                        n2 = cutlass.min(pos + P, seq_len) - (pg + 1) * P
+                                        lane = tidx % 32
                                         self._store_tile(tma_ks, mKs_tma, sK, k_handle.index,
-                                                         (P, D), 0, off, h, page1, page2, two)
+                                                         (P, D), 0, off, h, page1)
+                                        if two:
+                                            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
+                                                r = i // D
+                                                c = i - r * D
+                                                mKc[r, c, h, page2] = sK[P - off + r, c,
+                                                                         k_handle.index]
                                         cute.arch.mbarrier_wait(v_handle.barrier,
                                                                 (v_handle.count // S) % 2)
                                         self._store_tile(tma_vs, mVs_tma, sV, v_handle.index,
-                                                         (D, P), 1, off, h, page1, page2, two)
+                                                         (D, P), 1, off, h, page1)
+                                        if two:
+                                            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
+                                                r = i // D
+                                                c = i - r * D
+                                                mVc[c, r, h, page2] = sV[c, P - off + r,
+                                                                         v_handle.index]
                             cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.fresh_kv):
                     # every writeback store has finished before the CTA (and its smem) exits
@@ -834,11 +854,10 @@ class IonAttentionSm90:
 
     @cute.jit
     def _store_tile(self, tma_s, mS_tma, s_tile, stage, box, row_mode: cutlass.Constexpr,
-                    off, h, page1, page2, two):
-        """TMA-store smem stage ``stage`` (a K or V tile) at row offset ``off`` of page
-        ``page1`` and, if ``two``, at row offset ``off - P`` of ``page2``.  One elected
-        thread issues it (the bulk-group state is per thread)."""
-        P = self.page
+                    off, h, page):
+        """TMA-store smem stage ``stage`` (a K or V tile) at row offset ``off >= 0`` (in mode
+        ``row_mode`` of the box) of ``page``; tile rows past the page are clipped by the TMA
+        bounds.  One elected thread issues it (the bulk-group state is per thread)."""
         o1 = [0, 0, 0, 0]
         o1[row_mode] = off
         g1 = cute.flat_divide(cute.domain_offset(tuple(o1), mS_tma), box)
@@ -846,16 +865,7 @@ class IonAttentionSm90:
             tma_s, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
             cute.group_modes(g1, 0, 2))
         with cute.arch.elect_one():
-            cute.copy(tma_s, ts1[(None, stage)], tg1[(None, 0, 0, h, page1)])
-        if two:
-            o2 = [0, 0, 0, 0]
-            o2[row_mode] = off - P
-            g2 = cute.flat_divide(cute.domain_offset(tuple(o2), mS_tma), box)
-            ts2, tg2 = cpasync.tma_partition(
-                tma_s, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
-                cute.group_modes(g2, 0, 2))
-            with cute.arch.elect_one():
-                cute.copy(tma_s, ts2[(None, stage)], tg2[(None, 0, 0, h, page2)])
+            cute.copy(tma_s, ts1[(None, stage)], tg1[(None, 0, 0, h, page)])
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):

@@ -749,3 +749,50 @@ def worst_case_items(
         r_u = min(r, t // tm)
         bound += g * int(num_kv_heads) * ((t + r_u * (tm - 1)) // tm)
     return bound
+
+
+# --------------------------------------------------------------------------- tile size per step
+#: Rows with at least this many new tokens count as prefill work in ``choose_tile_m``; shorter
+#: rows (decode, speculative verification) as memory-bound work.  Uniform speculative-decode
+#: batches (q_len = 1 + num_spec, well below this) therefore always get 64-row tiles, which
+#: is what keeps the choice stable across CUDA-graph capture and replay (docs/contract.md).
+PREFILL_ROW_TOKENS = 64
+#: H200 rates the choice is made with (measured by ``ion-bench kernel``, 2026-11-29): copy
+#: bandwidth 4,225 GB/s and ~600 TFLOP/s of causal attention.  Only their ratio matters.
+_DECODE_BYTES_PER_S = 4.2e12
+_PREFILL_FLOP_PER_S = 6.0e14
+#: 128-row tiles when the decode rows' streaming time is at most this fraction of the
+#: prefill rows' MMA time.  From the anchors: on prefill 8192 the 128-row kernel (with
+#: unpacked tiles) takes 814 us against 880 us for 64-row unpacked tiles (0.93x), but it
+#: runs one CTA per SM, so decode streaming no longer hides under another CTA's MMAs:
+#: 32x8k decode + a 2048 prefill chunk takes 199 us against 149 us.  Break-even is where
+#: the decode time added back (~1x its own time) equals the ~7% saved on the prefill.
+M128_MAX_DECODE_FRACTION = 0.07
+
+
+def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: int,
+                  head_dim: int, elem_bytes: int = 2) -> int:
+    """128 or 64: the q-tile rows for one step (pure; from the host copies the planner uses).
+
+    Decode-like rows (< PREFILL_ROW_TOKENS new tokens) stream their K/V: ``seq_len *
+    num_kv_heads * head_dim * 2 * elem_bytes`` bytes.  Prefill rows cost ``4 * num_q_heads
+    * head_dim`` FLOPs per (query, visible key) pair, causal within the chunk.  128-row
+    tiles pay only when there is prefill work and the decode streaming time is at most
+    ``M128_MAX_DECODE_FRACTION`` of the prefill time.
+    """
+    qsl = _as_int_vector(query_start_loc, "query_start_loc").astype(np.int64)
+    sl = _as_int_vector(seq_lens, "seq_lens").astype(np.int64)
+    if qsl.size < 1 or sl.size != qsl.size - 1:
+        raise ValueError("query_start_loc must have len(seq_lens) + 1 entries")
+    q = np.diff(qsl)
+    pre = q >= PREFILL_ROW_TOKENS
+    if not pre.any():
+        return 64
+    ctx = (sl - q)[pre]
+    qp = q[pre]
+    # visible keys summed over a chunk's queries: q * ctx + q * (q + 1) / 2
+    pairs = float(np.sum(qp * ctx + qp * (qp + 1) // 2))
+    t_pre = 4.0 * num_q_heads * head_dim * pairs / _PREFILL_FLOP_PER_S
+    dec = (~pre) & (q > 0)
+    t_dec = float(np.sum(sl[dec])) * num_kv_heads * head_dim * 2 * elem_bytes / _DECODE_BYTES_PER_S
+    return 128 if t_dec <= M128_MAX_DECODE_FRACTION * t_pre else 64

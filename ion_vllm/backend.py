@@ -55,10 +55,18 @@ Q_TILE_ROWS = 64
 #: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
 #: separate ``kv_append`` launch.  Off by default until the H200 sweep validates it.
 FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
-#: opt-in: ``ION_UNPACKED_PREFILL=1`` tiles long prefill rows of padded GQA groups one q
-#: head x 64 tokens (planner ``unpacked_prefill``, docs/contract.md).  Off by default until
-#: the H200 validates the unpacked kernel variant.
+#: ``ION_UNPACKED_PREFILL`` (default 1): long prefill rows of padded GQA groups are tiled
+#: one q head x 64 tokens (planner ``unpacked_prefill``, docs/contract.md).  On by default
+#: since the H200 run of 2026-11-29 (500/500 sweep cases; prefill 8192 at 28/4 heads 983 ->
+#: 880 us, mixed 152 -> 149 us, decode unchanged); 0 restores packed-only tiles.
 UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
+#: ``ION_PREFILL_TILE_M`` = ``auto`` (default) or ``64``.  ``auto``: a step whose work is
+#: prefill MMAs with little decode streaming (``cute_kernels.planner.choose_tile_m``) runs
+#: 128-row q tiles on two consumer warpgroups (prefill 8192: 880 -> 814 us); every other
+#: step, and every uniform-decode step that CUDA graphs capture, runs 64-row tiles.  Only
+#: with unpacked prefill tiles, and not under fused writeback, batch invariance or a FULL
+#: CUDA-graph mode for mixed batches (where the captured variant could differ at replay).
+PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -114,8 +122,8 @@ def fault_block_table(block_table: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- builder
-def _switch(name: str, what: str) -> bool:
-    v = os.environ.get(name, "0").strip().lower()
+def _switch(name: str, what: str, default: str = "0") -> bool:
+    v = os.environ.get(name, default).strip().lower()
     if v not in ("0", "1", "", "false", "true"):
         raise ValueError(f"{name}={v!r}: use 1 ({what}) or 0")
     return v in ("1", "true")
@@ -126,7 +134,26 @@ def fused_kv_writeback() -> bool:
 
 
 def unpacked_prefill() -> bool:
-    return _switch(UNPACKED_PREFILL_ENV, "unpacked prefill tiles")
+    return _switch(UNPACKED_PREFILL_ENV, "unpacked prefill tiles", default="1")
+
+
+def prefill_tile_m_auto() -> bool:
+    """True for ``ION_PREFILL_TILE_M=auto`` (the default), False for ``64``."""
+    v = os.environ.get(PREFILL_TILE_M_ENV, "auto").strip().lower()
+    if v not in ("auto", "64", ""):
+        raise ValueError(f"{PREFILL_TILE_M_ENV}={v!r}: use auto (64 or 128 per step) or 64")
+    return v in ("auto", "")
+
+
+def mixed_batches_run_full_graphs(vllm_config) -> bool:
+    """Whether vLLM captures mixed prefill/decode batches in FULL CUDA graphs (mode FULL):
+    the kernel variant baked into such a graph must not depend on the batch."""
+    try:
+        from vllm.config import CUDAGraphMode
+        mode = vllm_config.compilation_config.cudagraph_mode
+        return mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL
+    except (AttributeError, ImportError):
+        return True  # unknown: assume the strict case
 
 
 def batch_invariant_mode() -> bool:
@@ -181,8 +208,19 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             logger.info_once("ION: fused KV writeback (%s=1)", FUSED_KV_ENV)
         #: unpacked prefill tiles (one q head x 64 tokens for long prefill rows, G < Gp)
         self.unpacked = unpacked_prefill()
-        if self.unpacked:
-            logger.info_once("ION: unpacked prefill tiles (%s=1)", UNPACKED_PREFILL_ENV)
+        if self.unpacked and batch_invariant_mode():
+            # the planner unpacks a request only when its cost model says so, which depends
+            # on the rest of the batch: a row's tiling must not, under batch invariance
+            logger.info_once("ION: VLLM_BATCH_INVARIANT=1, packed prefill tiles only")
+            self.unpacked = False
+        if not self.unpacked:
+            logger.info_once("ION: packed prefill tiles only (%s=0)", UNPACKED_PREFILL_ENV)
+        #: 128-row q tiles for prefill-dominated steps (planner.choose_tile_m)
+        self.tile_m_auto = (prefill_tile_m_auto() and self.unpacked and not self.fresh_kv
+                            and not batch_invariant_mode()
+                            and not mixed_batches_run_full_graphs(vllm_config))
+        logger.info_once("ION: q tiles of %s rows", "64 or 128 (per step)" if self.tile_m_auto
+                         else "64")
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
@@ -207,14 +245,13 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         # seq_lens_cpu_upper_bound may run ahead by the speculative tokens
         self.max_seq_len_bound = model_config.max_model_len + num_spec
 
-        from cute_kernels.attention import DevicePlan
-        from cute_kernels.variants import CTAS_PER_SM
+        from cute_kernels.attention import DevicePlan, ctas_per_sm_for
 
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             sms = _HOPPER_SMS_DEFAULT
-        self.num_ctas = sms * CTAS_PER_SM
+        self.num_ctas = sms * ctas_per_sm_for(1)
 
         planner = _planner()
         self.item_capacity = max(1, planner.worst_case_items(
@@ -228,12 +265,31 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             self.num_kv_heads, self.group_size, page_size=self.page_size,
             tile_m=Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1
         self.partial_rows = self.partial_rows_per_cta * self.num_ctas if self.allow_split else 0
+        self.partial_rows_128 = self.partial_rows if self.allow_split else 0
         self.plan = DevicePlan(item_capacity=self.item_capacity,
                                group_capacity=self.group_capacity,
                                partial_rows_capacity=self.partial_rows,
                                num_ctas=self.num_ctas, head_dim=self.head_size,
                                device=self.device, always_combine=self.allow_split,
                                unpacked=self.unpacked)
+        #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
+        self.plan128 = None
+        self.num_ctas128 = sms * ctas_per_sm_for(2)
+        if self.tile_m_auto:
+            self.plan128 = DevicePlan(
+                item_capacity=max(1, planner.worst_case_items(
+                    self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+                    self.num_kv_heads, self.group_size, page_size=self.page_size,
+                    tile_m=2 * Q_TILE_ROWS,
+                    max_splits=self.max_splits if self.allow_split else 1,
+                    unpacked_prefill=True)),
+                group_capacity=max(1, planner.worst_case_items(
+                    self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+                    self.num_kv_heads, self.group_size, page_size=self.page_size,
+                    tile_m=2 * Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1,
+                partial_rows_capacity=self.partial_rows_128, num_ctas=self.num_ctas128,
+                head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
+                unpacked=True, tile_m=2 * Q_TILE_ROWS)
         if self.device.type == "cuda":
             # compile + load every kernel now: vLLM's profiling run has no attention metadata,
             # so the first real launch could otherwise land inside CUDA-graph capture
@@ -241,18 +297,30 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
-                       unpacked=self.unpacked)
+                       unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1)
 
     # ------------------------------------------------------------------ planning
-    def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
+    def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:
+        """q-tile rows for this step: 64, or 128 when ``tile_m_auto`` and the step is
+        prefill-dominated (``cute_kernels.planner.choose_tile_m``)."""
+        if not self.tile_m_auto:
+            return Q_TILE_ROWS
+        return _planner().choose_tile_m(
+            query_start_loc, seq_lens, num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
+
+    def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                    tile_m: int = Q_TILE_ROWS) -> Any:
         """Host plan for one step (``cute_kernels.planner.plan``, docs/contract.md)."""
+        m128 = tile_m == 2 * Q_TILE_ROWS
         return _planner().plan(
             query_start_loc, seq_lens,
             num_kv_heads=self.num_kv_heads, group_size=self.group_size,
-            page_size=self.page_size, num_ctas=self.num_ctas, tile_m=Q_TILE_ROWS,
+            page_size=self.page_size,
+            num_ctas=self.num_ctas128 if m128 else self.num_ctas, tile_m=tile_m,
             allow_split=self.allow_split, max_splits=self.max_splits,
-            max_partial_rows=self.partial_rows, fresh_kv=self.fresh_kv,
-            unpacked_prefill=self.unpacked)
+            max_partial_rows=self.partial_rows_128 if m128 else self.partial_rows,
+            fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked)
 
     @staticmethod
     def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
@@ -271,7 +339,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         return np.ascontiguousarray(host[: common.num_reqs].numpy(), dtype=np.int32)
 
     def upload_plan(self, host_plan: Any):
-        """Copy ``host_plan`` into the persistent device buffers (in place)."""
+        """Copy ``host_plan`` into the persistent device buffers of its tile size (in place)."""
+        if getattr(host_plan, "tile_m", Q_TILE_ROWS) == 2 * Q_TILE_ROWS:
+            return self.plan128.upload(host_plan)
         return self.plan.upload(host_plan)
 
     # ------------------------------------------------------------------ build
@@ -285,7 +355,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         num_reqs = common.num_reqs
         qsl_host = np.ascontiguousarray(
             common.query_start_loc_cpu[: num_reqs + 1].numpy(), dtype=np.int32)
-        host_plan = self.run_planner(qsl_host, self.host_seq_lens(common))
+        sl_host = self.host_seq_lens(common)
+        host_plan = self.run_planner(qsl_host, sl_host, self.step_tile_m(qsl_host, sl_host))
         return IonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=num_reqs,

@@ -469,6 +469,8 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds; start no new case after this (0: no limit). The summary "
                          "then covers the cases run and records how many were planned")
+    ap.add_argument("--only", default="",
+                    help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     ap.add_argument("--quiet", action="store_true", help="no per-case lines")
@@ -478,6 +480,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cases = make_cases(args.cases, args.seed, args.max_kv_tokens, not args.no_pad_rows)
+    if args.only:
+        keep = {int(i) for i in args.only.split(",") if i.strip()}
+        cases = [c for c in cases if c.index in keep]
     if args.list:
         for c in cases:
             print(json.dumps(c.to_json()))

@@ -140,6 +140,57 @@ def fmt(v, nd=1):
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
+def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
+    """results.json + results.md of the configs run so far; returns the table lines."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    cols = [("config", "config", 0), ("TTFT p50 ms", "ttft_p50_ms", 1),
+            ("TTFT p99 ms", "ttft_p99_ms", 1), ("out tok/s", "output_tok_s", 0),
+            ("total tok/s", "total_tok_s", 0), ("GPU prefix hit", "gpu_prefix_hit_rate", 3),
+            ("host hit", "host_hit_rate", 3), ("D2H GB/s", "d2h_gbps", 2),
+            ("H2D GB/s", "h2d_gbps", 2), ("preemptions", "preemptions", 0)]
+    lines = [f"# KV tier benchmark ({dt.date.today().isoformat()})", "",
+             f"model `{args.model}`, backend {args.attention_backend}, HBM KV pool "
+             f"{kv_bytes/2**20:.0f} MiB, reuse set {reuse/2**20:.0f} MiB "
+             f"({reuse/kv_bytes:.1f}x), host tier {args.host_gib} GiB; "
+             f"{args.conversations} conversations x {args.turns} turns, context "
+             f"{args.context_len}, +{args.user_len} user / {args.max_tokens} generated "
+             f"tokens per turn, waves of {args.wave}.", "",
+             "| " + " | ".join(c[0] for c in cols) + " |",
+             "|" + "---|" * len(cols)]
+    for r in results:
+        lines.append("| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(
+            int(r[k]) if isinstance(r.get(k), float) else r.get(k)) for _, k, nd in cols) + " |")
+    lines += [""] + bar_lines({r["config"]: r for r in results})
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def bar_lines(by: dict) -> list[str]:
+    """The issue's bars, judged from the configs present: Ion >= native in throughput and
+    <= native in TTFT p50; both tiers beat recompute (no offload) in throughput."""
+    ok = {k: v for k, v in by.items() if v.get("total_tok_s")}
+    out = []
+
+    def check(name, cond):
+        out.append(f"- {name}: {'PASS' if cond else 'FAIL'}")
+
+    if "ion" in ok and "native" in ok:
+        check(f"ion total tok/s {ok['ion']['total_tok_s']:.0f} >= native "
+              f"{ok['native']['total_tok_s']:.0f}",
+              ok["ion"]["total_tok_s"] >= ok["native"]["total_tok_s"])
+        check(f"ion TTFT p50 {ok['ion']['ttft_p50_ms']:.1f} ms <= native "
+              f"{ok['native']['ttft_p50_ms']:.1f} ms",
+              ok["ion"]["ttft_p50_ms"] <= ok["native"]["ttft_p50_ms"])
+    for tier in ("ion", "native"):
+        if tier in ok and "none" in ok:
+            check(f"{tier} total tok/s {ok[tier]['total_tok_s']:.0f} > recompute "
+                  f"{ok['none']['total_tok_s']:.0f}",
+                  ok[tier]["total_tok_s"] > ok["none"]["total_tok_s"])
+    return (["Bars:"] + out) if out else []
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         with open(sys.argv[2]) as f:
@@ -190,36 +241,21 @@ def main() -> int:
                 user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
                 wave=args.wave, vocab=hf.vocab_size, seed=0,
                 enforce_eager=args.enforce_eager)
-    results = []
-    for name in args.configs.split(","):
-        print(f"== {name}", flush=True)
-        results.append(run_child({**base, "name": name}))
-        print(json.dumps(results[-1], indent=1), flush=True)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
             "args": vars(args)}
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    cols = [("config", "config", 0), ("TTFT p50 ms", "ttft_p50_ms", 1),
-            ("TTFT p99 ms", "ttft_p99_ms", 1), ("out tok/s", "output_tok_s", 0),
-            ("total tok/s", "total_tok_s", 0), ("GPU prefix hit", "gpu_prefix_hit_rate", 3),
-            ("host hit", "host_hit_rate", 3), ("D2H GB/s", "d2h_gbps", 2),
-            ("H2D GB/s", "h2d_gbps", 2), ("preemptions", "preemptions", 0)]
-    lines = [f"# KV tier benchmark ({dt.date.today().isoformat()})", "",
-             f"model `{args.model}`, backend {args.attention_backend}, HBM KV pool "
-             f"{kv_bytes/2**20:.0f} MiB, reuse set {reuse/2**20:.0f} MiB "
-             f"({reuse/kv_bytes:.1f}x), host tier {args.host_gib} GiB; "
-             f"{args.conversations} conversations x {args.turns} turns, context "
-             f"{args.context_len}, +{args.user_len} user / {args.max_tokens} generated "
-             f"tokens per turn, waves of {args.wave}.", "",
-             "| " + " | ".join(c[0] for c in cols) + " |",
-             "|" + "---|" * len(cols)]
-    for r in results:
-        lines.append("| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(
-            int(r[k]) if isinstance(r.get(k), float) else r.get(k)) for _, k, nd in cols) + " |")
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    results = []
+    lines: list[str] = []
+    for name in args.configs.split(","):
+        print(f"== {name}", flush=True)
+        try:
+            results.append(run_child({**base, "name": name}))
+        except subprocess.CalledProcessError as e:
+            results.append({"config": name, "error": f"child exited {e.returncode}"})
+        print(json.dumps(results[-1], indent=1), flush=True)
+        # written after every config, so a run cut short still leaves the finished ones
+        lines = write_results(out, meta, results, args, kv_bytes, reuse)
     print("\n".join(lines))
     print(f"written to {out}")
     return 0

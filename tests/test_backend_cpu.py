@@ -77,23 +77,34 @@ def common_metadata(q_lens, seq_lens, block_table, pad_tokens=0, seq_lens_device
         slot_mapping=slots, seq_lens_cpu_upper_bound=sl, _seq_lens_cpu=sl)
 
 
-def coverage_from_work(work, q_lens, seq_lens):
+def coverage_from_work(work, q_lens, seq_lens, group_size=None, tile_m=64):
     """(b, h, token) -> pages read, from a contract work list; the split items of a token
-    must tile its page range exactly once, in order."""
+    must tile its page range exactly once, in order.  A 9-column list may hold unpacked
+    items (col 8 = q head g >= 0): then each of the ``group_size`` q heads of the token must
+    be covered that way, instead of once by a packed item (col 8 = -1)."""
     pieces = {}
     for row in work.tolist():
         b, h, t0, nt, p0, p1, split, nsplit = row[:8]
-        assert len(row) == 8  # the backend plans packed items: the default 8-column list
+        assert len(row) in (8, 9)
+        qh = row[8] if len(row) == 9 else -1
         assert 0 <= split < nsplit and p0 < p1
+        if qh >= 0:
+            assert nt <= tile_m  # an unpacked tile is one q head x <= tile_m tokens
         for t in range(t0, t0 + nt):
-            pieces.setdefault((b, h, t), []).append((split, nsplit, p0, p1))
-    cov = {}
-    for key, parts in pieces.items():
+            pieces.setdefault((b, h, t, qh), []).append((split, nsplit, p0, p1))
+    by_token = {}
+    for (b, h, t, qh), parts in pieces.items():
         parts.sort()
-        assert [s for s, _, _, _ in parts] == list(range(parts[0][1])), f"{key}: {parts}"
+        assert [s for s, _, _, _ in parts] == list(range(parts[0][1])), f"{b, h, t}: {parts}"
         for (_, _, _, a1), (_, _, b0, _) in zip(parts, parts[1:]):
-            assert a1 == b0, f"{key}: split ranges not contiguous {parts}"
-        cov[key] = (parts[0][2], parts[-1][3])
+            assert a1 == b0, f"{b, h, t}: split ranges not contiguous {parts}"
+        by_token.setdefault((b, h, t), {})[qh] = (parts[0][2], parts[-1][3])
+    cov = {}
+    for key, heads in by_token.items():
+        if set(heads) != {-1}:
+            assert group_size and set(heads) == set(range(group_size)), (key, sorted(heads))
+        assert len(set(heads.values())) == 1, (key, heads)
+        cov[key] = next(iter(heads.values()))
     expected = {}
     for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
         for h in range(HKV):
@@ -191,8 +202,8 @@ def test_builder_plans_once_into_persistent_buffers(make_config):
     assert int(plan.cta_offsets[-1]) == plan.num_items == plan.host.n_items
     assert torch.all(plan.cta_offsets[1:] >= plan.cta_offsets[:-1])
     work = plan.work[: plan.num_items]
-    assert (plan.host.work[:, 8] == -1).all()  # no unpacked items
-    np.testing.assert_array_equal(work.numpy(), plan.host.work[:, :8])
+    assert (plan.host.work[:, 8] == -1).all()  # no unpacked items (G = Gp = 2)
+    np.testing.assert_array_equal(work.numpy(), plan.host.work[:, : plan.work_cols])
     coverage_from_work(work, q_lens, seq_lens)
     first_items = plan.num_items
     assert md.num_actual_tokens == 148 and md.slot_mapping.shape == (148,)
@@ -406,40 +417,108 @@ def test_batch_invariant_mode_plans_without_split(make_config, monkeypatch):
     assert md.plan.num_items == len(q_lens) * HKV  # one item per (request, KV head)
 
 
-def test_unpacked_prefill_switch(cpu_platform, tmp_path, monkeypatch):
-    """ION_UNPACKED_PREFILL=1 with GQA 7: the builder plans long prefill rows one q head x
-    64 tokens (work col 8 >= 0) into a 9-column device work list; decode rows stay packed.
-    Without the switch the work list keeps the default kernels' 8 columns."""
-    import ion_vllm.backend as backend_mod
+def _gqa7_config(tmp_path, *extra):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     model = tmp_path / "gqa7"
-    model.mkdir()
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(
         {**TINY_QWEN2, "num_attention_heads": 7 * HKV, "num_key_value_heads": HKV,
          "hidden_size": 7 * HKV * D}))
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", str(model), "--attention-backend", "ION",
-                              "--skip-tokenizer-init", "--load-format", "dummy"])
-    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+                              "--skip-tokenizer-init", "--load-format", "dummy", *extra])
+    return EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_unpacked_prefill_switch(cpu_platform, tmp_path, monkeypatch):
+    """Unpacked prefill tiles are on by default (GQA 7): the builder plans long prefill rows
+    one q head x 64 tokens (work col 8 >= 0) into a 9-column device work list; decode rows
+    stay packed.  ION_UNPACKED_PREFILL=0 keeps the packed kernels' 8 columns."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = _gqa7_config(tmp_path)
     bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
     q_lens, seq_lens = [1, 256], [300, 300]
 
-    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    monkeypatch.setenv(backend_mod.UNPACKED_PREFILL_ENV, "0")
     plain = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     assert plain.group_size == 7 and plain.plan.work.shape[1] == 8
+    assert not plain.tile_m_auto and plain.plan128 is None  # 128-row tiles need unpacked
     md = plain.build(0, common_metadata(q_lens, seq_lens, bt))
     assert not md.plan.unpacked
 
-    monkeypatch.setenv(backend_mod.UNPACKED_PREFILL_ENV, "1")
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     assert b.unpacked and b.plan.work.shape[1] == 9
     md = b.build(0, common_metadata(q_lens, seq_lens, bt))
     w = md.plan.work[: md.plan.num_items].numpy()
-    assert md.plan.unpacked
+    assert md.plan.unpacked and md.plan.tile_m == 64
     assert set(w[w[:, 0] == 0, 8].tolist()) == {-1}  # the decode row: packed
     assert set(w[w[:, 0] == 1, 8].tolist()) == set(range(7))  # 256-token prefill: unpacked
     monkeypatch.setenv(backend_mod.UNPACKED_PREFILL_ENV, "yes")
     with pytest.raises(ValueError, match="ION_UNPACKED_PREFILL"):
         backend_mod.unpacked_prefill()
+
+
+def test_prefill_tile_m_per_step(cpu_platform, tmp_path, monkeypatch):
+    """ION_PREFILL_TILE_M=auto (default): a prefill-only step is planned with 128-row tiles
+    into the builder's second DevicePlan (one CTA per SM); a step with decode rows, and a
+    uniform decode step, into the 64-row plan.  Each keeps its own persistent buffers."""
+    import ion_vllm.backend as backend_mod
+    from cute_kernels import planner
+
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.PREFILL_TILE_M_ENV, raising=False)
+    cfg = _gqa7_config(tmp_path, "--max-num-batched-tokens", "2048", "--max-num-seqs", "8")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.tile_m_auto and b.plan128 is not None
+    assert b.plan128.tile_m == 128 and b.plan128.num_ctas * 2 == b.plan.num_ctas
+    bt = torch.arange(4 * 32, dtype=torch.int32).reshape(4, 32)
+    ptr64, ptr128 = b.plan.work.data_ptr(), b.plan128.work.data_ptr()
+
+    md = b.build(0, common_metadata([2048], [2048], bt[:1]))      # prefill only
+    assert md.plan is b.plan128 and md.plan.work.data_ptr() == ptr128
+    assert md.plan.host.tile_m == 128 and md.plan.host.num_ctas == b.num_ctas128
+    assert md.plan.unpacked and (md.plan.host.work[:, 8] >= 0).any()
+    coverage_from_work(md.plan.work[: md.plan.num_items], [2048], [2048],
+                       group_size=7, tile_m=128)
+
+    q_lens, seq_lens = [1, 1, 1, 512], [1900, 1900, 1900, 512]   # decode-heavy mix
+    assert planner.choose_tile_m(np.cumsum([0] + q_lens), seq_lens, num_q_heads=28,
+                                 num_kv_heads=HKV, head_dim=D) == 64
+    md = b.build(0, common_metadata(q_lens, seq_lens, bt))
+    assert md.plan is b.plan and md.plan.work.data_ptr() == ptr64 and md.plan.tile_m == 64
+    md = b.build(0, common_metadata([1, 1], [700, 9], bt[:2]))    # uniform decode
+    assert md.plan is b.plan
+
+    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "64")
+    fixed = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not fixed.tile_m_auto and fixed.plan128 is None
+    assert fixed.build(0, common_metadata([2048], [2048], bt[:1])).plan.tile_m == 64
+    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "128")
+    with pytest.raises(ValueError, match="ION_PREFILL_TILE_M"):
+        backend_mod.prefill_tile_m_auto()
+
+
+def test_prefill_tile_m_stays_64_when_mixed_batches_run_full_graphs(cpu_platform, tmp_path,
+                                                                    monkeypatch):
+    """In cudagraph_mode FULL vLLM captures mixed batches as FULL graphs: the kernel
+    variant baked in at capture must not change per step, so only 64-row tiles are used."""
+    import ion_vllm.backend as backend_mod
+
+    monkeypatch.delenv(backend_mod.PREFILL_TILE_M_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    from vllm.config import CUDAGraphMode
+
+    # the CPU platform turns CUDA graphs off while finalizing the config: set the mode the
+    # GPU would keep afterwards
+    cfg = _gqa7_config(tmp_path)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    assert not backend_mod.mixed_batches_run_full_graphs(cfg)
+    assert IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu")).tile_m_auto
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    assert backend_mod.mixed_batches_run_full_graphs(cfg)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.unpacked and not b.tile_m_auto and b.plan128 is None

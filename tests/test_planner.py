@@ -673,3 +673,48 @@ def test_plan_speed(capsys):
                   f"{p.cta_cost.mean():.1f} us")
     # generous bound for slow / shared CI hosts; target is < 1-2 ms on a normal host
     assert worst < 25.0
+
+
+# --------------------------------------------------------------------------- choose_tile_m
+def _qsl(q_lens):
+    return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+
+def test_choose_tile_m_follows_the_measured_anchors():
+    """128-row tiles for prefill-dominated steps only (H200, 28/4 heads, d=128): prefill
+    8192 (128-row + unpacked 814 us vs 880 us) -> 128; 32x8k decode + 2048 prefill (199 vs
+    149 us) -> 64; decode-only and uniform speculative-decode steps -> 64."""
+    from cute_kernels.planner import PREFILL_ROW_TOKENS, choose_tile_m
+
+    kw = dict(num_q_heads=28, num_kv_heads=4, head_dim=128)
+    assert choose_tile_m(_qsl([8192]), [8192], **kw) == 128
+    assert choose_tile_m(_qsl([1] * 32 + [2048]), [8192] * 32 + [2048], **kw) == 64
+    assert choose_tile_m(_qsl([1] * 32), [8192] * 32, **kw) == 64
+    spec = PREFILL_ROW_TOKENS - 1  # uniform spec-decode rows never count as prefill
+    assert choose_tile_m(_qsl([spec] * 8), [30000] * 8, **kw) == 64
+    assert choose_tile_m(_qsl([]), [], **kw) == 64
+    # a few short decodes next to a long chunk: still prefill-dominated
+    assert choose_tile_m(_qsl([1, 1, 8192]), [600, 900, 16384], **kw) == 128
+    # rows with no new tokens cost nothing
+    assert choose_tile_m(_qsl([0, 0, 8192]), [900000, 900000, 8192], **kw) == 128
+
+
+def test_choose_tile_m_threshold_is_the_decode_fraction():
+    from cute_kernels import planner
+
+    kw = dict(num_q_heads=28, num_kv_heads=4, head_dim=128)
+    q, ctx = 4096, 4096
+    pairs = q * ctx + q * (q + 1) // 2
+    t_pre = 4.0 * 28 * 128 * pairs / planner._PREFILL_FLOP_PER_S
+    per_tok = 4 * 128 * 2 * 2 / planner._DECODE_BYTES_PER_S
+    limit = planner.M128_MAX_DECODE_FRACTION * t_pre / per_tok  # decode KV tokens allowed
+    under, over = int(limit * 0.98), int(limit * 1.02)
+    assert planner.choose_tile_m(_qsl([q, 1]), [q + ctx, under], **kw) == 128
+    assert planner.choose_tile_m(_qsl([q, 1]), [q + ctx, over], **kw) == 64
+
+
+def test_choose_tile_m_refuses_bad_input():
+    from cute_kernels.planner import choose_tile_m
+
+    with pytest.raises(ValueError):
+        choose_tile_m([0, 4], [4, 5], num_q_heads=28, num_kv_heads=4, head_dim=128)

@@ -1,0 +1,52 @@
+"""CPU checks of scripts/kv_tier_bench.py's reporting: the issue's bars are judged from the
+configs that finished, and results are written after every config (a GPU call cut short by
+its time limit still leaves the finished configs on disk)."""
+
+import json
+import subprocess
+from types import SimpleNamespace
+
+from script_loader import load_script
+
+bench = load_script("kv_tier_bench.py", "kv_tier_bench_report_script")
+
+
+def _r(name, tok_s, ttft):
+    return {"config": name, "total_tok_s": tok_s, "output_tok_s": tok_s / 10,
+            "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft}
+
+
+def test_bars_pass_and_fail():
+    good = {"none": _r("none", 100.0, 50.0), "native": _r("native", 150.0, 20.0),
+            "ion": _r("ion", 160.0, 18.0)}
+    lines = bench.bar_lines(good)
+    assert lines[0] == "Bars:" and len(lines) == 5
+    assert all(x.endswith("PASS") for x in lines[1:])
+    slow = dict(good, ion=_r("ion", 140.0, 25.0))  # below native on both bars
+    verdicts = [x.rsplit(" ", 1)[1] for x in bench.bar_lines(slow)[1:]]
+    assert verdicts == ["FAIL", "FAIL", "PASS", "PASS"]
+    worse = dict(good, native=_r("native", 90.0, 20.0))  # native below recompute
+    assert bench.bar_lines(worse)[-1].endswith("FAIL")
+    assert bench.bar_lines({"ion": {"config": "ion", "error": "child exited 1"}}) == []
+
+
+def test_results_written_after_each_config(tmp_path, monkeypatch):
+    args = SimpleNamespace(model="m", attention_backend="ION", host_gib=1.0, conversations=2,
+                           turns=1, context_len=8, user_len=1, max_tokens=1, wave=1)
+    calls = []
+
+    def fake_child(cfg):
+        calls.append(cfg["name"])
+        if cfg["name"] == "ion":
+            raise subprocess.CalledProcessError(1, "child")
+        return _r(cfg["name"], 100.0 + len(calls), 10.0)
+
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    results = []
+    for name in ("none", "native"):
+        results.append(bench.run_child({"name": name}))
+        bench.write_results(str(tmp_path), {"meta": 1}, results, args, 1 << 20, 4 << 20)
+        saved = json.loads((tmp_path / "results.json").read_text())["results"]
+        assert [r["config"] for r in saved] == calls
+    md = (tmp_path / "results.md").read_text()
+    assert "| none |" in md and "| native |" in md and "native total tok/s" in md
