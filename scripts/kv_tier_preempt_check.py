@@ -15,7 +15,30 @@ greedy decoding with random weights diverges by itself: a token mismatch would
 not tell a corrupted block from a changed batch.  ``--control always`` adds a second
 no-offload run with half the concurrency: it must match too, which shows the
 comparison is batch-free (it runs by default only after a mismatch).
-Exit code 0 = pass.
+
+``--verify`` (Ion tier only) runs the tier child with ION_KV_TIER_VERIFY=1: the
+worker fingerprints every stored block from its GPU source and every restored
+block in its GPU destination, and counts restored blocks checked
+(``verified_blocks``) and those that differ (``verify_mismatch_blocks``),
+exported as ``vllm:ion_kv_tier_verified_blocks`` /
+``vllm:ion_kv_tier_verify_mismatch_blocks``.  The report also gives, for the tier
+run and for the control run, the index of the first differing output token of
+every mismatching request (``tier_first_diff_token``,
+``control_first_diff_token``: request index -> token index), to tell a
+divergence that starts right after a restore from a late near-tie flip.
+
+Verdicts: ``pass`` = strict token identity (plus: preempted, restored, control
+clean when it ran); ``blocks_pass`` = verified_blocks > 0 and
+verify_mismatch_blocks == 0.  Exit code 0 iff ``pass``; with ``--verify``, iff
+``blocks_pass`` and (``pass``, or the run preempted and the control run ALSO
+mismatched).
+Reasoning: when a no-offload run at another concurrency already diverges from
+the reference, token identity cannot separate a corrupted restore from vLLM's
+own batch-dependent numerics (greedy near-ties of a random-weight model), so the
+direct evidence is byte identity of every restored block.  When the control
+matches but the tier run does not, the token comparison is meaningful and the
+run fails even if every block verified (the fault is then elsewhere, e.g. in
+which blocks are restored or when).
 """
 
 from __future__ import annotations
@@ -78,6 +101,11 @@ def make_prompts(n: int, vocab: int, prefix_len: int, suffix_len: int, n_prefixe
             for i in range(n)]
 
 
+VERIFY_ENV = "ION_KV_TIER_VERIFY"
+M_VERIFIED = "vllm:ion_kv_tier_verified_blocks"
+M_VERIFY_MISMATCH = "vllm:ion_kv_tier_verify_mismatch_blocks"
+
+
 def run_child(cfg: dict) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cpath, opath = os.path.join(d, "cfg.json"), os.path.join(d, "out.json")
@@ -86,9 +114,87 @@ def run_child(cfg: dict) -> dict:
         env = dict(os.environ)
         if cfg.get("batch_invariant", True):
             env["VLLM_BATCH_INVARIANT"] = "1"
+        env.pop(VERIFY_ENV, None)  # only the run asked to verify does
+        if cfg.get("verify"):
+            env[VERIFY_ENV] = "1"
         subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True, env=env)
         with open(opath) as f:
             return json.load(f)
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length when one output is
+    a prefix of the other); None when identical."""
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def first_diffs(ref: list[list[int]], other: list[list[int]]) -> dict[int, int]:
+    """Request index -> first differing token index, for the requests that differ."""
+    out = {}
+    for i, (a, b) in enumerate(zip(ref, other)):
+        t = first_diff(a, b)
+        if t is not None:
+            out[i] = t
+    if len(ref) != len(other):
+        raise ValueError(f"{len(ref)} reference outputs vs {len(other)}")
+    return out
+
+
+def evaluate(ref_outputs: list[list[int]], ion_outputs: list[list[int]], ion_metrics: dict,
+             ctl_outputs: list[list[int]] | None, verify: bool) -> tuple[dict, list[str], int]:
+    """Verdicts of one check.  Returns (report fields, messages, exit code)."""
+    diffs = first_diffs(ref_outputs, ion_outputs)
+    ctl_diffs = first_diffs(ref_outputs, ctl_outputs) if ctl_outputs is not None else None
+    m = ion_metrics
+    preempt = m.get("vllm:num_preemptions", m.get("vllm:num_preemptions_total", 0.0))
+    loaded = m.get("vllm:kv_offload_load_bytes", 0.0)
+    verified = m.get(M_VERIFIED, 0.0)
+    vmism = m.get(M_VERIFY_MISMATCH, 0.0)
+    msgs: list[str] = []
+    ok = True
+    if diffs:
+        i = min(diffs)
+        a, b = ref_outputs[i], ion_outputs[i]
+        t = diffs[i]
+        msgs.append(f"FAIL: {len(diffs)} requests differ; first #{i} from token {t}:\n"
+                    f" ref {a[t:t + 16]}\n ion {b[t:t + 16]}")
+        ok = False
+    if not preempt:
+        msgs.append("FAIL: no preemption happened; lower --kv-cache-memory-bytes")
+        ok = False
+    if not loaded:
+        msgs.append("FAIL: nothing was restored from the host tier")
+        ok = False
+    if ctl_diffs:
+        msgs.append(f"CONTROL FAIL: {len(ctl_diffs)} requests differ between two no-offload "
+                    "runs at different concurrency: the comparison is not batch-invariant")
+        ok = False
+    blocks_pass = bool(verify and verified > 0 and vmism == 0)
+    if verify:
+        msgs.append(f"BLOCKS {'PASS' if blocks_pass else 'FAIL'}: {int(verified)} restored "
+                    f"blocks verified byte-identical to the stored ones, {int(vmism)} mismatched")
+    if verify:  # a detected corrupted restore (or no verified block) fails the run
+        code = 0 if blocks_pass and (ok or (preempt and bool(ctl_diffs))) else 1
+    else:
+        code = 0 if ok else 1
+    msgs.append(f"TOKENS {'PASS' if ok else 'FAIL'}; exit {code}"
+                + (" (token comparison defeated by the control; blocks verified)"
+                   if code == 0 and not ok else ""))
+    report = {
+        "mismatched_requests": sorted(diffs),
+        "tier_first_diff_token": {str(i): t for i, t in sorted(diffs.items())},
+        "control_mismatched_requests": sorted(ctl_diffs) if ctl_diffs is not None else None,
+        "control_first_diff_token": ({str(i): t for i, t in sorted(ctl_diffs.items())}
+                                     if ctl_diffs is not None else None),
+        "preemptions_ion": preempt, "host_loaded_bytes": loaded,
+        "verify": verify,
+        "verified_blocks": verified if verify else None,
+        "verify_mismatch_blocks": vmism if verify else None,
+        "pass": ok, "blocks_pass": blocks_pass if verify else None, "exit_code": code,
+    }
+    return report, msgs, code
 
 
 def main() -> int:
@@ -122,8 +228,13 @@ def main() -> int:
     ap.add_argument("--spec", choices=("ion", "native"), default="ion",
                     help="offloading under test: the Ion tier (default) or vLLM's native "
                          "CPUOffloadingSpec (same host size, decode blocks stored too)")
+    ap.add_argument("--verify", action="store_true",
+                    help="Ion tier: fingerprint every stored/restored KV block on the GPU "
+                         "(ION_KV_TIER_VERIFY=1) and report byte-level restore verdicts")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
+    if args.verify and args.spec != "ion":
+        ap.error("--verify needs --spec ion")
 
     from transformers import AutoConfig
 
@@ -145,54 +256,33 @@ def main() -> int:
                                      args.suffix_len, args.n_prefixes))
     print(f"KV pool {kv_bytes/2**20:.1f} MiB for a workload needing {need/2**20:.1f} MiB")
     ref = run_child({**base, "offload": False})
-    ion = run_child({**base, "offload": True})
-    mism = [i for i, (a, b) in enumerate(zip(ref["outputs"], ion["outputs"])) if a != b]
-    ctl_mism = None
-    if args.control == "always" or (args.control == "auto" and mism):
+    ion = run_child({**base, "offload": True, "verify": args.verify})
+    tier_differs = any(a != b for a, b in zip(ref["outputs"], ion["outputs"]))
+    ctl = None
+    if args.control == "always" or (args.control == "auto" and tier_differs):
         ctl = run_child({**base, "offload": False,
                          "max_num_seqs": max(1, args.num_requests // 2)})
-        ctl_mism = [i for i, (a, b) in enumerate(zip(ref["outputs"], ctl["outputs"]))
-                    if a != b]
     m = ion["metrics"]
-    preempt = m.get("vllm:num_preemptions", m.get("vllm:num_preemptions_total", 0.0))
-    loaded = m.get("vllm:kv_offload_load_bytes", 0.0)
-    ext_hits = m.get("vllm:external_prefix_cache_hits", 0.0)
+    verdict, msgs, code = evaluate(ref["outputs"], ion["outputs"], m,
+                                   ctl["outputs"] if ctl else None, args.verify)
     report = {
         "kv_pool_bytes": kv_bytes, "requests": len(ref["outputs"]),
         "batch_invariant": not args.no_batch_invariant, "spec": args.spec,
         "generated_tokens": sum(len(o) for o in ref["outputs"]),
-        "mismatched_requests": mism, "control_mismatched_requests": ctl_mism,
-        "preemptions_ion": preempt,
         "preemptions_ref": ref["metrics"].get("vllm:num_preemptions", None),
-        "host_loaded_bytes": loaded, "external_prefix_hit_tokens": ext_hits,
+        "external_prefix_hit_tokens": m.get("vllm:external_prefix_cache_hits", 0.0),
+        **verdict,
         "ion_tier_metrics": {k: v for k, v in m.items() if "ion_kv_tier" in k or "kv_offload" in k},
     }
-    ok = True
-    if mism:
-        i = mism[0]
-        a, b = ref["outputs"][i], ion["outputs"][i]
-        t = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        print(f"FAIL: {len(mism)} requests differ; first #{i} from token {t}:\n"
-              f" ref {a[t:t + 16]}\n ion {b[t:t + 16]}")
-        ok = False
-    if not preempt:
-        print("FAIL: no preemption happened; lower --kv-cache-memory-bytes")
-        ok = False
-    if not loaded:
-        print("FAIL: nothing was restored from the host tier")
-        ok = False
-    if ctl_mism:
-        print(f"CONTROL FAIL: {len(ctl_mism)} requests differ between two no-offload runs "
-              "at different concurrency: the comparison is not batch-invariant")
-        ok = False
-    report["pass"] = ok
     print(json.dumps(report, indent=1))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    for line in msgs:
+        print(line)
+    print("PASS" if code == 0 else "FAIL")
+    return code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ kv_connector_extra_config keys:
   offload_prompt_only           default False here: every full block is stored,
                                 decode blocks included
   copier                        "auto" | "batch" | "torch"
+  verify                        true: block-verification test mode (every stored
+                                and restored block fingerprinted on the GPU and
+                                compared, see worker.py); absent: the
+                                ION_KV_TIER_VERIFY environment variable decides
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
-from ion_vllm.kv_tier.stats import metric_definitions
+from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
 
 logger = init_logger(__name__)
 
@@ -42,6 +46,34 @@ def host_bytes_from_extra(extra: dict[str, Any]) -> int:
         "Ion KV tier: set the host pool size with --kv-offloading-size <GiB> or "
         "kv_connector_extra_config 'cpu_bytes_to_use' / 'host_gib'"
     )
+
+
+def parse_flag(v: Any) -> bool | None:
+    """A boolean config value (JSON bool, number or string); None when absent."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        t = v.strip().lower()
+        if t in ("1", "true", "yes", "on"):
+            return True
+        if t in ("", "0", "false", "no", "off"):
+            return False
+        raise ValueError(f"Ion KV tier: not a boolean: {v!r}")
+    return bool(v)
+
+
+class IonKVTierSchedulerManager(IonKVTierManager):
+    """The manager vLLM's scheduler gets: ``get_stats`` also carries the
+    worker-side counters of this process (verify mode; see stats.py)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._process_seen = PROCESS_COUNTERS.snapshot()
+
+    def get_stats(self):
+        s = super().get_stats()
+        self._process_seen = add_process_counters(s, self._process_seen)
+        return s
 
 
 class IonKVTierSpec(OffloadingSpec):
@@ -73,6 +105,7 @@ class IonKVTierSpec(OffloadingSpec):
             max(1, window_bytes // self.worker_block_bytes)
             if self.worker_block_bytes > 0 else 1)
         self.copier = str(extra.get("copier", "auto"))
+        self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
@@ -83,7 +116,7 @@ class IonKVTierSpec(OffloadingSpec):
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
-            self._manager = IonKVTierManager(
+            self._manager = IonKVTierSchedulerManager(
                 num_host_blocks=self.num_host_blocks,
                 block_bytes=self.block_bytes,
                 host_bytes_budget=self.host_bytes,
@@ -101,6 +134,7 @@ class IonKVTierSpec(OffloadingSpec):
                 num_host_blocks=self.num_host_blocks,
                 ring_bytes=self.ring_bytes,
                 copier=self.copier,
+                verify=self.verify,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

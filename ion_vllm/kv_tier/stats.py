@@ -14,6 +14,19 @@ the worker reports the *D2H drain* time for stores and the *H2D* time for
 loads there, so vLLM's own ``vllm:kv_offload_store_bytes / _store_time`` and
 ``vllm:kv_offload_load_bytes / _load_time`` give the measured GB/s.  The rest of
 the worker counters are read from ``worker.stats`` and logged periodically.
+
+Verify mode (``ION_KV_TIER_VERIFY=1``, see worker.py): the worker fingerprints
+every stored and every restored block and counts restored blocks checked
+(``verified_blocks``) and those whose bytes differ from what was stored
+(``verify_mismatch_blocks``).  vLLM has no worker -> scheduler channel for
+arbitrary counters, so the worker also adds them to the process-wide
+``PROCESS_COUNTERS``; the scheduler-side manager that ``IonKVTierSpec``
+builds adds their growth to its ``get_stats()`` (``add_process_counters``), which
+reaches Prometheus as ``vllm:ion_kv_tier_verified_blocks`` /
+``vllm:ion_kv_tier_verify_mismatch_blocks``.  That works when the worker runs in
+the scheduler's process (world size 1: vLLM's ``uni`` executor, inside the
+engine core); with TP > 1 the workers are other processes and their verify
+counts are only in their logs (periodic stats line and shutdown summary).
 """
 
 from __future__ import annotations
@@ -38,6 +51,9 @@ class M:
     HOST_USED_BYTES = PREFIX + "host_used_bytes"
     HOST_USAGE_PERC = PREFIX + "host_usage_perc"
     INFLIGHT_STORE_PERC = PREFIX + "inflight_store_window_perc"
+    # worker side, verify mode only (see module docstring)
+    VERIFIED_BLOCKS = PREFIX + "verified_blocks"
+    VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
 
 
 def prometheus_sums(prefix: str = "vllm:") -> dict[str, float]:
@@ -88,7 +104,47 @@ def metric_definitions() -> dict[str, Any]:
             documentation="Ion KV tier: writeback blocks in flight / window size "
             "(0..1); >= ring share means the ring is full and later blocks wait."
         ),
+        M.VERIFIED_BLOCKS: C(
+            documentation="Ion KV tier verify mode: restored blocks whose GPU bytes were "
+            "fingerprinted after the host->GPU copy and compared with the fingerprint "
+            "taken from the GPU source when the host block was stored."
+        ),
+        M.VERIFY_MISMATCH_BLOCKS: C(
+            documentation="Ion KV tier verify mode: restored blocks whose fingerprint "
+            "differs from the stored one (or that had none): corrupted restores."
+        ),
     }
+
+
+@dataclass
+class ProcessCounters:
+    """Worker-side counters of this process, monotonic; summed over the workers
+    living here (see the module docstring)."""
+
+    verified_blocks: int = 0
+    verify_mismatch_blocks: int = 0
+
+    def snapshot(self) -> "ProcessCounters":
+        return dataclasses.replace(self)
+
+
+PROCESS_COUNTERS = ProcessCounters()
+
+_PROCESS_METRICS = (
+    (M.VERIFIED_BLOCKS, "verified_blocks"),
+    (M.VERIFY_MISMATCH_BLOCKS, "verify_mismatch_blocks"),
+)
+
+
+def add_process_counters(stats: Any, seen: ProcessCounters) -> ProcessCounters:
+    """Add the growth of ``PROCESS_COUNTERS`` since ``seen`` to an
+    ``OffloadingConnectorStats`` as counters; returns the new ``seen``."""
+    now = PROCESS_COUNTERS.snapshot()
+    for name, field_name in _PROCESS_METRICS:
+        d = getattr(now, field_name) - getattr(seen, field_name)
+        if d > 0:
+            stats.increase_counter(name, d)
+    return now
 
 
 @dataclass
@@ -137,6 +193,11 @@ class WorkerStats:
     ring_slots: int = 0
     ring_used_slots: int = 0
     ring_peak_slots: int = 0
+    # verify mode (ION_KV_TIER_VERIFY=1)
+    fingerprinted_store_blocks: int = 0  # source blocks fingerprinted at store time
+    verified_blocks: int = 0  # restored blocks compared with their stored fingerprint
+    verify_mismatch_blocks: int = 0  # ... that differed or had no fingerprint
+    verify_unknown_blocks: int = 0  # ... of these: no fingerprint for the host block
     samples: list[int] = field(default_factory=list, repr=False)
 
     @property

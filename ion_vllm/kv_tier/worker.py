@@ -31,11 +31,32 @@ directly (bypass, counted): the one case where the forward waits on PCIe.
 
 Load: host -> GPU on its own stream, ordered after any still-running drain of
 the same host blocks.
+
+Verify mode (``ION_KV_TIER_VERIFY=1`` or the spec's ``verify`` key; a test mode,
+off by default: it costs GPU time and a host sync per finished load)
+----------------------------------------------------------------------------
+* store: right after the D2D gather (ring path) or next to the direct copy
+  (bypass), on the same stream and before the event that lets vLLM reuse the
+  source blocks, the GPU SOURCE blocks are fingerprinted (``BlockFingerprinter``:
+  the exact bytes the tier copies, every layer's K and V of the block, in
+  host-slot order).  The fingerprint is keyed by the destination host block id;
+  rewriting a host block replaces it.  (The worker never hears of evictions, a
+  scheduler-side event: an evicted host block keeps its bytes and fingerprint
+  until a store rewrites both.)
+* load: ``submit_load`` takes the current fingerprints of its host blocks; when
+  ``get_finished`` sees the H2D copy complete, the DESTINATION GPU blocks are
+  fingerprinted on a separate stream (after the copy), synchronously read back
+  and compared.  Each block counts in ``stats.verified_blocks``; one whose
+  fingerprint differs, or whose host block was never stored, also counts in
+  ``stats.verify_mismatch_blocks`` and is logged at error level.
+This checks the data path (GPU -> ring -> host -> GPU bytes); which key lives in
+which host block is the manager's bookkeeping, checked by the scheduler tests.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -58,9 +79,15 @@ from vllm.v1.kv_offload.base import (
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
 from ion_vllm.kv_tier.staging_ring import StagingRing
-from ion_vllm.kv_tier.stats import WorkerStats
+from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
 
 logger = logging.getLogger(__name__)
+
+ENV_VERIFY = "ION_KV_TIER_VERIFY"
+
+
+def verify_from_env() -> bool:
+    return os.environ.get(ENV_VERIFY, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # --------------------------------------------------------------------------
@@ -224,6 +251,111 @@ class BatchCopier(TorchCopier):
 
 
 # --------------------------------------------------------------------------
+# block fingerprints (verify mode)
+# --------------------------------------------------------------------------
+FP_PRIME = (1 << 31) - 1  # Mersenne prime
+
+
+class BlockFingerprinter:
+    """Fingerprint of a KV block as it sits in a host slot, computed with plain
+    torch integer ops on any device (exact, so CPU and CUDA agree bit for bit).
+
+    The slot's bytes are read as words ``w_i`` (unsigned 16-bit, or bytes when
+    some page size or offset is odd), ``i`` = word index within the slot; the
+    fingerprint is ``(sum w_i mod P) * P + (sum (i + 1) * w_i mod P)`` with P
+    = 2^31 - 1.  A changed word (any flipped byte) changes the second sum by
+    ``(i + 1) * delta``, both factors nonzero and below the prime, so it is
+    always caught; so is a swap of two different words (``(i - j) * (w_j - w_i)``),
+    hence swapped rows / layers / K and V.  The per-tensor parts use the
+    tensor's offset in the slot, so GPU blocks (one row per canonical tensor)
+    and a host slot (one contiguous row) give the same value.
+    """
+
+    CHUNK_BYTES = 64 << 20  # bound on the int64 temporaries of one call
+
+    def __init__(self, page_bytes: Sequence[int], offsets: Sequence[int]):
+        self.page_bytes = [int(x) for x in page_bytes]
+        self.offsets = [int(x) for x in offsets]
+        even = all(x % 2 == 0 for x in self.page_bytes + self.offsets)
+        self.word = 2 if even else 1
+        self._weights: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def prepare(self, device: torch.device) -> None:
+        """Build the position weights of every canonical tensor now (on the current
+        stream, then synchronized), so that fingerprints on side streams never
+        read weights still being written by another stream."""
+        for off, nb in zip(self.offsets, self.page_bytes):
+            self._w(off // self.word, nb // self.word, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _w(self, w0: int, n: int, device: torch.device) -> torch.Tensor:
+        key = (w0, n, str(device))
+        w = self._weights.get(key)
+        if w is None:
+            w = torch.arange(w0 + 1, w0 + 1 + n, dtype=torch.int64, device=device)
+            self._weights[key] = w
+        return w
+
+    def part(self, rows: torch.Tensor, byte_offset: int) -> torch.Tensor:
+        """(n, 2) int64 partial sums (each < 2^62) of int8 rows (n, nbytes) that sit
+        at byte_offset of their slots."""
+        assert rows.dtype == torch.int8 and rows.ndim == 2
+        n, nb = rows.shape
+        if nb % self.word or byte_offset % self.word:
+            raise ValueError("fingerprint: rows not aligned to the word size")
+        out = torch.zeros((n, 2), dtype=torch.int64, device=rows.device)
+        if nb == 0 or n == 0:
+            return out
+        rows = rows.contiguous()
+        words = rows.view(torch.int16) if self.word == 2 else rows
+        bias = 1 << (8 * self.word - 1)
+        wt = self._w(byte_offset // self.word, words.shape[1], rows.device)
+        step = max(1, self.CHUNK_BYTES // (8 * words.shape[1]))
+        for a in range(0, n, step):
+            x = words[a:a + step].to(torch.int64) + bias  # 0 <= x < 2^16
+            out[a:a + step, 0] = x.sum(1)
+            out[a:a + step, 1] = ((x * wt) % FP_PRIME).sum(1)
+        return out
+
+    @staticmethod
+    def finish(acc: torch.Tensor) -> torch.Tensor:
+        """(n, 2) partial sums -> (n, 2) int64 fingerprint pair, reduced mod P."""
+        return acc % FP_PRIME
+
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """Fingerprints (n, 2) of whole slots (a host pool / ring view)."""
+        return self.finish(self.part(rows, 0))
+
+    @staticmethod
+    def to_ints(fp: torch.Tensor) -> list[int]:
+        """(n, 2) fingerprint pairs (on the CPU) -> one int per block."""
+        return [int(a) * FP_PRIME + int(b) for a, b in fp.cpu().tolist()]
+
+
+class _FpBatch:
+    """Fingerprints of a run of blocks, computed on a stream; readable once
+    ``event`` (recorded after the computation) has completed."""
+
+    __slots__ = ("event", "tensor", "values")
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+        self.event: Any = None
+        self.values: list[int] | None = None
+
+    def resolve(self, rt: Any, readback: Any) -> list[int]:
+        """Wait for the computation, read the values back once (``readback``: device
+        tensor -> CPU tensor) and free the device copy."""
+        if self.values is None:
+            rt.sync(self.event)
+            assert self.tensor is not None, "fingerprint never computed"
+            self.values = BlockFingerprinter.to_ints(readback(self.tensor))
+            self.tensor = None
+        return self.values
+
+
+# --------------------------------------------------------------------------
 # worker
 # --------------------------------------------------------------------------
 @dataclass
@@ -235,6 +367,7 @@ class _Piece:
     read_done: Any  # event: the GPU source blocks have been read
     start: Any
     end: Any  # event: the bytes are on the host
+    fp: _FpBatch | None = None  # verify mode: fingerprints of the source blocks
 
 
 @dataclass
@@ -260,6 +393,11 @@ class _LoadJob:
     n: int
     start: Any
     end: Any
+    # verify mode: the blocks and the host blocks' fingerprints at submit time
+    groups: np.ndarray | None = None
+    gpu: np.ndarray | None = None
+    host: np.ndarray | None = None
+    expected: list[tuple[_FpBatch, int] | None] | None = None
 
 
 def _flatten(gpu_spec: GPULoadStoreSpec, other: BlockIDsLoadStoreSpec):
@@ -297,6 +435,7 @@ class IonKVTierWorker(OffloadingWorker):
         copier: str = "auto",
         pin_memory: bool | None = None,
         log_interval_s: float = 30.0,
+        verify: bool | None = None,
     ):
         if not kv_caches.tensors:
             raise ValueError("no KV cache tensors")
@@ -351,6 +490,18 @@ class IonKVTierWorker(OffloadingWorker):
         self.stats = WorkerStats(ring_slots=self.ring.num_slots)
         self._log_interval = log_interval_s
         self._last_log = time.monotonic()
+        self.verify = verify_from_env() if verify is None else bool(verify)
+        self._fp_by_host: dict[int, tuple[_FpBatch, int]] = {}
+        if self.verify:
+            self.fingerprinter = BlockFingerprinter(self.page_bytes, self.offsets)
+            self._group_refs = group_refs
+            self._verify_stream = self.rt.new_stream(high_priority=False)
+            self.fingerprinter.prepare(self.device)
+            logger.warning(
+                "Ion KV tier: VERIFY mode on (%s / kv_connector_extra_config verify): "
+                "every stored and restored KV block is fingerprinted on %s and compared; "
+                "this costs GPU time and a sync per finished load - a test mode",
+                ENV_VERIFY, self.device)
 
     # ------------------------------------------------------------ stores
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
@@ -365,6 +516,82 @@ class IonKVTierWorker(OffloadingWorker):
         self._pump()
         return True
 
+    # ------------------------------------------------------------ verify
+    def _fingerprint_gpu(self, groups: np.ndarray, gpu: np.ndarray) -> torch.Tensor:
+        """(n, 2) fingerprints of GPU blocks ``gpu`` (of KV groups ``groups``),
+        computed on the current stream from the bytes the copies move."""
+        fpr = self.fingerprinter
+        idx = torch.from_numpy(np.ascontiguousarray(gpu, dtype=np.int64))
+        if self.device.type == "cuda":  # async H2D: never block the host on the stream
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        acc = torch.zeros((len(gpu), 2), dtype=torch.int64, device=self.device)
+        for g, i0, i1 in _group_runs(groups, 0, len(gpu)):
+            for t, nb in self._group_refs[g]:
+                rows = self.tensors[t].index_select(0, idx[i0:i1])[:, :nb]
+                acc[i0:i1] += fpr.part(rows, self.offsets[t])
+        return fpr.finish(acc)
+
+    def _readback(self, t: torch.Tensor) -> torch.Tensor:
+        """Device -> CPU copy of a finished fingerprint.  On CUDA it goes through the
+        verify stream, which holds no unfinished work here (every use of it is
+        synchronized at once), so the host never waits on the forward pass."""
+        if t.is_cuda and isinstance(self._verify_stream, torch.cuda.Stream):
+            with torch.cuda.stream(self._verify_stream):
+                return t.cpu()
+        return t.cpu()
+
+    def _launch_store_fingerprint(self, stream: Any, job: _StoreJob, a: int,
+                                  b: int) -> _FpBatch:
+        """Queue the fingerprint of the source blocks of items [a, b) on the
+        stream that reads them for the copy (before its read-done event) and
+        key it by their host block ids (replacing older fingerprints)."""
+        fp = _FpBatch()
+        groups, gpu = job.groups[a:b], job.gpu[a:b]
+
+        def run():
+            fp.tensor = self._fingerprint_gpu(groups, gpu)
+
+        self.rt.launch(stream, run)
+        for k, h in enumerate(job.host[a:b].tolist()):
+            self._fp_by_host[h] = (fp, k)
+        self.stats.fingerprinted_store_blocks += b - a
+        return fp
+
+    def _verify_load(self, ld: _LoadJob) -> None:
+        """The H2D copy of ``ld`` has completed: fingerprint the destination GPU
+        blocks (on the verify stream, after the copy), read back, compare."""
+        assert ld.gpu is not None and ld.groups is not None and ld.expected is not None
+        rt = self.rt
+        got = _FpBatch()
+
+        def run():
+            got.tensor = self._fingerprint_gpu(ld.groups, ld.gpu)
+
+        rt.wait_event(self._verify_stream, ld.end)
+        rt.launch(self._verify_stream, run)
+        got.event = rt.record(self._verify_stream)
+        values = got.resolve(rt, self._readback)
+        bad = 0
+        for k, (exp, h, g) in enumerate(zip(ld.expected, ld.host.tolist(), ld.gpu.tolist())):
+            if exp is None:
+                self.stats.verify_unknown_blocks += 1
+                bad += 1
+                logger.error("Ion KV tier VERIFY: load job %d restored host block %d into "
+                             "GPU block %d, but no store of that host block was seen",
+                             ld.job_id, h, g)
+                continue
+            want = exp[0].resolve(rt, self._readback)[exp[1]]
+            if values[k] != want:
+                bad += 1
+                logger.error("Ion KV tier VERIFY MISMATCH: load job %d, host block %d -> "
+                             "GPU block %d: restored fingerprint %#x != stored %#x",
+                             ld.job_id, h, g, values[k], want)
+        self.stats.verified_blocks += ld.n
+        self.stats.verify_mismatch_blocks += bad
+        PROCESS_COUNTERS.verified_blocks += ld.n
+        PROCESS_COUNTERS.verify_mismatch_blocks += bad
+
+    # ------------------------------------------------------------ stores
     def _issue_ring_piece(self, job: _StoreJob, start: int, count: int) -> None:
         rt, cp, ring = self.rt, self.copier, self.ring.buffer
         a, b = job.next_item, job.next_item + count
@@ -373,13 +600,16 @@ class IonKVTierWorker(OffloadingWorker):
             ids = job.gpu[i0:i1]
             s = start + (i0 - a)
             rt.launch(self._d2d, lambda g=g, ids=ids, s=s: cp.gather(ring, s, g, ids))
+        fp = self._launch_store_fingerprint(self._d2d, job, a, b) if self.verify else None
         read_done = rt.record(self._d2d)
+        if fp is not None:
+            fp.event = read_done
         rt.wait_event(self._drain, read_done)
         ev0 = rt.record(self._drain)
         hids = job.host[a:b]
         rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
         ev1 = rt.record(self._drain)
-        p = _Piece(job, a, count, (start, count), read_done, ev0, ev1)
+        p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp)
         job.pieces.append(p)
         job.next_item = b
         self._ring_pieces.append(p)
@@ -401,8 +631,11 @@ class IonKVTierWorker(OffloadingWorker):
             gids, hids = job.gpu[i0:i1], job.host[i0:i1]
             rt.launch(self._d2d, lambda g=g, gids=gids, hids=hids:
                       cp.to_host(self.host, g, gids, hids))
+        fp = self._launch_store_fingerprint(self._d2d, job, a, b) if self.verify else None
         ev1 = rt.record(self._d2d)
-        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1))
+        if fp is not None:
+            fp.event = ev1
+        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp))
         for h in job.host[a:b].tolist():
             self._host_pending[h] = ev1
         job.next_item = b
@@ -449,7 +682,11 @@ class IonKVTierWorker(OffloadingWorker):
                       cp.to_gpu(self.host, g, hids, gids))
         ev1 = rt.record(self._load)
         nbytes = int(sum(self.group_bytes[g] for g in groups))
-        self._loads[job_id] = _LoadJob(job_id, nbytes, len(gpu), ev0, ev1)
+        ld = _LoadJob(job_id, nbytes, len(gpu), ev0, ev1)
+        if self.verify:
+            ld.groups, ld.gpu, ld.host = groups, gpu, host
+            ld.expected = [self._fp_by_host.get(h) for h in host.tolist()]
+        self._loads[job_id] = ld
         self.stats.load_jobs += 1
         return True
 
@@ -463,6 +700,8 @@ class IonKVTierWorker(OffloadingWorker):
                 continue
             secs = 0.0
             for p in job.pieces:
+                if p.fp is not None:
+                    p.fp.resolve(rt, self._readback)  # done (before p.end); frees it
                 dt = rt.elapsed(p.start, p.end)
                 secs += dt
                 if p.ring_run is None:
@@ -480,6 +719,8 @@ class IonKVTierWorker(OffloadingWorker):
                                       transfer_size=job.nbytes, transfer_time=secs))
         for jid, ld in list(self._loads.items()):
             if rt.query(ld.end):
+                if self.verify:
+                    self._verify_load(ld)
                 dt = rt.elapsed(ld.start, ld.end)
                 self.stats.loaded_blocks += ld.n
                 self.stats.loaded_bytes += ld.nbytes
@@ -522,6 +763,13 @@ class IonKVTierWorker(OffloadingWorker):
             self.rt.sync(ld.end)
         self._queue.clear()
         self._ring_pieces.clear()
+        if self.verify:
+            st = self.stats
+            (logger.error if st.verify_mismatch_blocks else logger.warning)(
+                "Ion KV tier VERIFY summary: %d restored blocks checked, %d mismatched "
+                "(%d without a stored fingerprint), %d stored blocks fingerprinted",
+                st.verified_blocks, st.verify_mismatch_blocks, st.verify_unknown_blocks,
+                st.fingerprinted_store_blocks)
 
     # ------------------------------------------------------------ checking
     def check_invariants(self) -> None:

@@ -1,0 +1,503 @@
+"""Block-verification mode of the Ion KV tier (ION_KV_TIER_VERIFY), on CPU.
+
+The worker fingerprints every stored block from its GPU source and every restored block
+in its GPU destination and compares them.  These tests drive the worker on CPU tensors
+(SimRuntime streams) through the ring and the bypass paths, and prove the check can fail:
+one flipped host byte, swapped rows, a stale (overwritten) slot and a never-stored slot
+are all reported.  They also cover the export (worker -> scheduler-side stats ->
+Prometheus) and the verdict logic of scripts/kv_tier_preempt_check.py.
+"""
+
+import functools
+import logging
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from script_loader import SCRIPTS, load_script
+
+from ion_vllm.kv_tier.manager import IonHostSpec
+from ion_vllm.kv_tier.runtime import SimRuntime
+from ion_vllm.kv_tier.stats import M, PROCESS_COUNTERS, metric_definitions, prometheus_sums
+from ion_vllm.kv_tier.testing import KVModel, run_random_ops
+from ion_vllm.kv_tier.worker import (ENV_VERIFY, BlockFingerprinter, IonKVTierWorker,
+                                     TorchCopier)
+
+preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_verify_script")
+
+
+# ---- helpers ----------------------------------------------------------------
+class Rig:
+    """A worker over a KVModel (2 layers, ION or K/V-first layout) on CPU."""
+
+    def __init__(self, ring_slots=8, host_blocks=16, num_gpu=24, eager=False,
+                 layout="ion", verify=True, worker_cls=IonKVTierWorker, seed=0):
+        self.kvm = KVModel(layout, num_gpu, seed=seed)
+        self.slot = sum(c.page_size_bytes for c in self.kvm.canonical.tensors)
+        self.rt = SimRuntime(eager=eager)
+        self.w = worker_cls(self.kvm.canonical, num_host_blocks=host_blocks,
+                            ring_bytes=ring_slots * self.slot, runtime=self.rt,
+                            copier="torch", pin_memory=False, log_interval_s=0,
+                            verify=verify)
+        self.truth = {}  # gpu block -> data written there
+        self.job = 0
+        self.done = set()  # job ids reported by get_finished
+
+    def fill(self, gpu):
+        for b in gpu:
+            self.truth[b] = self.kvm.random_block()
+            self.kvm.write(b, self.truth[b])
+
+    def store(self, gpu, host):
+        self.job += 1
+        self.w.submit_store(self.job, GPULoadStoreSpec(list(gpu), [len(gpu)], [0]),
+                            IonHostSpec(list(host)))
+        return self.job
+
+    def load(self, host, gpu):
+        self.job += 1
+        for b in gpu:
+            self.kvm.scrub(b)
+        self.w.submit_load(self.job, IonHostSpec(list(host)),
+                           GPULoadStoreSpec(list(gpu), [len(gpu)], [0]))
+        return self.job
+
+    def finish(self, *jobs):
+        want = set(jobs)
+        for _ in range(100):
+            self.rt.run_all()
+            self.done |= {r.job_id for r in self.w.get_finished()}
+            if want <= self.done:
+                return
+        raise AssertionError(f"jobs {want - self.done} never finished")
+
+    def roundtrip(self, gpu, host, dst):
+        self.fill(gpu)
+        self.finish(self.store(gpu, host))
+        self.finish(self.load(host, dst))
+
+    @property
+    def st(self):
+        return self.w.stats
+
+
+# ---- the fingerprint ----------------------------------------------------------
+def test_fingerprint_catches_every_single_byte_flip_and_word_swap():
+    fpr = BlockFingerprinter([96, 160], [0, 96])
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-128, 128, (3, 256), generator=g, dtype=torch.int8)
+    base = BlockFingerprinter.to_ints(fpr.slots(rows))
+    assert len(set(base)) == 3 and base == BlockFingerprinter.to_ints(fpr.slots(rows.clone()))
+    for pos in range(256):  # every byte position, a random nonzero xor
+        r = rows.clone()
+        r[1, pos] ^= int(torch.randint(1, 128, (1,), generator=g))
+        got = BlockFingerprinter.to_ints(fpr.slots(r))
+        assert got[1] != base[1] and got[0] == base[0] and got[2] == base[2], pos
+    rng = random.Random(1)
+    for _ in range(200):  # swap two different 16-bit words, or two 16-byte rows
+        r = rows.clone()
+        w = r[2].view(torch.int16)
+        i, j = rng.sample(range(128), 2)
+        if w[i] == w[j]:
+            continue
+        w[i], w[j] = w[j].clone(), w[i].clone()
+        assert BlockFingerprinter.to_ints(fpr.slots(r))[2] != base[2]
+    r = rows.clone()
+    r[0, 16:32], r[0, 64:80] = rows[0, 64:80], rows[0, 16:32]
+    assert BlockFingerprinter.to_ints(fpr.slots(r))[0] != base[0]
+    sw = rows[[1, 0, 2]]  # whole blocks swapped: each block's own value moves with it
+    assert BlockFingerprinter.to_ints(fpr.slots(sw)) == [base[1], base[0], base[2]]
+
+
+def test_fingerprint_parts_equal_whole_slot_and_odd_sizes():
+    """GPU side: one row per canonical tensor at its slot offset; host side: the whole
+    slot.  The same value, also with byte words (odd page size) and extreme bytes."""
+    for pages in ([96, 160], [7, 13, 4]):
+        offs = [sum(pages[:i]) for i in range(len(pages))]
+        fpr = BlockFingerprinter(pages, offs)
+        assert fpr.word == (2 if pages == [96, 160] else 1)
+        rows = torch.randint(-128, 128, (5, sum(pages)), dtype=torch.int8)
+        rows[0] = 127
+        rows[1] = -128
+        acc = sum(fpr.part(rows[:, o:o + n], o) for o, n in zip(offs, pages))
+        assert torch.equal(fpr.finish(acc), fpr.slots(rows))
+    fpr = BlockFingerprinter([4, 4], [0, 4])
+    assert BlockFingerprinter.to_ints(fpr.slots(torch.zeros(1, 8, dtype=torch.int8))) != \
+        BlockFingerprinter.to_ints(fpr.slots(torch.full((1, 8), -128, dtype=torch.int8)))
+
+
+def test_fingerprint_chunking_is_exact(monkeypatch):
+    fpr = BlockFingerprinter([512], [0])
+    rows = torch.randint(-128, 128, (9, 512), dtype=torch.int8)
+    whole = fpr.slots(rows)
+    monkeypatch.setattr(BlockFingerprinter, "CHUNK_BYTES", 8 * 256 * 2)  # 2 rows a chunk
+    assert torch.equal(fpr.slots(rows), whole)
+
+
+# ---- round trips: ring and bypass ---------------------------------------------
+@pytest.mark.parametrize("layout", ["ion", "kv_first"])
+def test_ring_roundtrip_verifies_every_block(layout):
+    r = Rig(layout=layout)
+    r.roundtrip([3, 4, 9, 1], [0, 1, 2, 7], [10, 11, 12, 13])
+    assert r.st.d2d_blocks == 4 and r.st.bypass_blocks == 0
+    assert r.st.fingerprinted_store_blocks == 4
+    assert r.st.verified_blocks == 4 and r.st.verify_mismatch_blocks == 0
+    for src, dst in zip([3, 4, 9, 1], [10, 11, 12, 13]):
+        assert r.kvm.equal(dst, r.truth[src])
+
+
+def test_bypass_roundtrip_verifies_every_block():
+    """A 1-slot ring whose drain has not run: the flush copies the rest directly."""
+    r = Rig(ring_slots=1)
+    gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
+    r.fill(gpu)
+    j = r.store(gpu, host)
+    assert r.st.deferred_blocks == 3
+    r.w.wait({j})
+    assert r.st.bypass_blocks == 3 and r.st.d2d_blocks == 1
+    for b in gpu:  # vLLM may reuse the source blocks now: fingerprints already taken
+        r.kvm.scrub(b)
+    r.finish(j)
+    r.finish(r.load(host, [0, 1, 2, 3]))
+    assert r.st.verified_blocks == 4 and r.st.verify_mismatch_blocks == 0
+    assert r.st.fingerprinted_store_blocks == 4
+
+
+def test_store_fingerprint_taken_before_source_reuse_on_ring_path():
+    r = Rig()
+    gpu = [2, 3]
+    r.fill(gpu)
+    j = r.store(gpu, [8, 9])
+    r.w.wait({j})  # only the D2D read (and the fingerprint before it) is done
+    for b in gpu:
+        r.kvm.scrub(b)
+    r.finish(j)
+    r.finish(r.load([8, 9], [4, 5]))
+    assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 0
+
+
+def test_random_ops_with_verify_all_paths():
+    for layout, seed in (("ion", 31), ("kv_first", 32)):
+        res = run_random_ops(seed, 3000, layout=layout,
+                             worker_cls=functools.partial(IonKVTierWorker, verify=True))
+        ws = res.worker_stats
+        assert ws["bypass_blocks"] > 0 and ws["d2d_blocks"] > 0
+        assert ws["verified_blocks"] == res.restored_blocks > 100
+        assert ws["verify_mismatch_blocks"] == 0 and ws["verify_unknown_blocks"] == 0
+
+
+# ---- the check fails when it must ----------------------------------------------
+@pytest.mark.parametrize("path", ["ring", "bypass"])
+@pytest.mark.parametrize("where", ["first", "last", "layer1"])
+def test_one_corrupted_host_byte_is_detected(path, where, caplog):
+    r = Rig(ring_slots=8 if path == "ring" else 1)
+    gpu, host = [5, 6, 7], [2, 3, 4]
+    r.fill(gpu)
+    j = r.store(gpu, host)
+    if path == "bypass":
+        r.w.wait({j})
+        assert r.st.bypass_blocks == 2
+    r.finish(j)
+    col = {"first": 0, "last": r.slot - 1, "layer1": r.w.offsets[1] + 37}[where]
+    r.w.host[3, col] ^= 0x01  # one bit of one byte of host block 3
+    with caplog.at_level(logging.ERROR, logger="ion_vllm.kv_tier.worker"):
+        r.finish(r.load(host, [10, 11, 12]))
+    assert r.st.verified_blocks == 3 and r.st.verify_mismatch_blocks == 1
+    msgs = [m for m in caplog.messages if "MISMATCH" in m]
+    assert len(msgs) == 1 and "host block 3" in msgs[0] and "GPU block 11" in msgs[0]
+
+
+class _FlipOnLoad(TorchCopier):
+    def to_gpu(self, host, group, host_ids, gpu_ids):
+        super().to_gpu(host, group, host_ids, gpu_ids)
+        self.tensors[0][int(gpu_ids[-1]), 3] ^= 0x40
+
+
+class _FlipOnLoadWorker(IonKVTierWorker):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.copier = _FlipOnLoad(self.tensors, self.offsets, self.copier.group_refs)
+
+
+def test_corruption_in_the_h2d_copy_is_detected():
+    r = Rig(worker_cls=_FlipOnLoadWorker)
+    r.roundtrip([1, 2], [0, 1], [3, 4])
+    assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 1
+
+
+def test_swapped_rows_and_swapped_blocks_are_detected():
+    r = Rig()
+    r.fill([1, 2, 3])
+    r.finish(r.store([1, 2, 3], [0, 1, 2]))
+    h = r.w.host
+    h[[0, 1]] = h[[1, 0]].clone()  # two host blocks swapped
+    h[2, 0:16], h[2, 64:80] = h[2, 64:80].clone(), h[2, 0:16].clone()  # rows in a block
+    r.finish(r.load([0, 1, 2], [5, 6, 7]))
+    assert r.st.verified_blocks == 3 and r.st.verify_mismatch_blocks == 3
+
+
+def test_overwritten_slot_replaces_its_fingerprint_and_stale_bytes_fail():
+    r = Rig()
+    r.fill([1])
+    r.finish(r.store([1], [4]))
+    old = r.w.host[4].clone()
+    r.fill([2])
+    r.finish(r.store([2], [4]))  # host block 4 rewritten (evicted, then reused)
+    r.finish(r.load([4], [7]))
+    assert r.kvm.equal(7, r.truth[2])
+    assert r.st.verified_blocks == 1 and r.st.verify_mismatch_blocks == 0
+    r.w.host[4] = old  # as if the second write had been lost
+    r.finish(r.load([4], [8]))
+    assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 1
+    assert len(r.w._fp_by_host) == 1  # one entry per host block, never more
+
+
+def test_load_of_a_never_stored_host_block_is_a_mismatch(caplog):
+    r = Rig()
+    with caplog.at_level(logging.ERROR, logger="ion_vllm.kv_tier.worker"):
+        r.finish(r.load([9], [1]))
+    assert r.st.verify_mismatch_blocks == 1 and r.st.verify_unknown_blocks == 1
+    assert any("host block 9" in m and "no store" in m for m in caplog.messages)
+
+
+def test_fingerprint_snapshot_is_taken_at_load_submission():
+    """A store that rewrites the host block after the load was submitted must not change
+    what the load is compared with (the load reads the older content)."""
+    r = Rig(eager=True)
+    r.fill([1, 2])
+    r.finish(r.store([1], [3]))
+    r.rt.eager = False
+    j = r.load([3], [6])
+    r.rt.run_all()  # the load's copy is done, not yet reported
+    r.rt.eager = True
+    r.w.submit_store(99, GPULoadStoreSpec([2], [1], [0]), IonHostSpec([3]))
+    assert j not in r.done
+    r.finish(99, j)
+    assert r.kvm.equal(6, r.truth[1])
+    assert r.st.verified_blocks == 1 and r.st.verify_mismatch_blocks == 0
+
+
+# ---- switching it on -------------------------------------------------------------
+def test_off_by_default_env_and_spec_key(monkeypatch, caplog):
+    monkeypatch.delenv(ENV_VERIFY, raising=False)
+    r = Rig(verify=None)
+    assert r.w.verify is False
+    r.roundtrip([1], [0], [2])
+    assert r.st.verified_blocks == 0 and r.st.fingerprinted_store_blocks == 0
+    monkeypatch.setenv(ENV_VERIFY, "1")
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
+        assert Rig(verify=None).w.verify is True
+    assert sum("VERIFY mode on" in m for m in caplog.messages) == 1
+    assert Rig(verify=False).w.verify is False  # an explicit False wins over the env
+
+    from test_kv_tier_spec import _cfg
+
+    from ion_vllm.kv_tier.spec import IonKVTierSpec, parse_flag
+
+    assert parse_flag(None) is None and parse_flag("true") and not parse_flag("0")
+    with pytest.raises(ValueError):
+        parse_flag("maybe")
+    monkeypatch.delenv(ENV_VERIFY)
+    kvm = KVModel("ion", 8)
+    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
+    for extra, want in (({}, False), ({"verify": True}, True), ({"verify": "false"}, False)):
+        spec = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 * slot, "ring_mib": 0.01, **extra},
+                                  block_bytes=slot))
+        assert spec.get_worker(kvm.canonical).verify is want
+
+
+# ---- export ----------------------------------------------------------------------
+def test_metric_names_and_export_to_prometheus():
+    """Worker counts -> the spec's manager get_stats -> vLLM's OffloadPromMetrics ->
+    the registry read by prometheus_sums (what the GPU scripts record)."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+    from test_kv_tier_spec import _cfg
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+
+    from ion_vllm.kv_tier import SPEC_NAME, register_kv_tier
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    assert M.VERIFIED_BLOCKS == "vllm:ion_kv_tier_verified_blocks"
+    assert M.VERIFY_MISMATCH_BLOCKS == "vllm:ion_kv_tier_verify_mismatch_blocks"
+    defs = metric_definitions()
+    assert M.VERIFIED_BLOCKS in defs and M.VERIFY_MISMATCH_BLOCKS in defs
+    assert preempt.M_VERIFIED == M.VERIFIED_BLOCKS
+    assert preempt.M_VERIFY_MISMATCH == M.VERIFY_MISMATCH_BLOCKS
+
+    register_kv_tier()
+    kvm = KVModel("ion", 8)
+    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
+    spec = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 * slot, "ring_mib": 0.01,
+                               "verify": True}, block_bytes=slot))
+    mgr = spec.get_manager()
+    mgr.get_stats()
+    w = spec.get_worker(kvm.canonical)
+    w.rt = SimRuntime(eager=True)  # the spec's worker builds its own; same semantics
+    before = PROCESS_COUNTERS.snapshot()
+    for b in (0, 1, 2):
+        kvm.write(b, kvm.random_block())
+    w.submit_store(1, GPULoadStoreSpec([0, 1, 2], [3], [0]), IonHostSpec([0, 1, 2]))
+    w.get_finished()
+    w.host[1, 5] ^= 1
+    w.submit_load(2, IonHostSpec([0, 1, 2]), GPULoadStoreSpec([4, 5, 6], [3], [0]))
+    assert [x.job_id for x in w.get_finished()] == [2]
+    assert PROCESS_COUNTERS.verified_blocks - before.verified_blocks == 3
+    red = mgr.get_stats().reduce()
+    assert red[M.VERIFIED_BLOCKS] == 3 and red[M.VERIFY_MISMATCH_BLOCKS] == 1
+    assert all(k in IonKVTierSpec.build_metric_definitions({}) for k in red)
+    assert M.VERIFIED_BLOCKS not in mgr.get_stats().reduce()  # deltas
+
+    created = []
+
+    def tracked(cls):
+        def make(**kw):
+            m = cls(**kw)
+            created.append(m)
+            return m
+        return make
+
+    vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"spec_name": SPEC_NAME}))
+    try:
+        prom = OffloadPromMetrics(vc, {Counter: tracked(Counter), Gauge: tracked(Gauge),
+                                       Histogram: tracked(Histogram)},
+                                  ["model_name", "engine"], {0: ["m", "0"]})
+        st = spec.get_manager().get_stats()
+        st.increase_counter(M.VERIFIED_BLOCKS, 5)
+        st.increase_counter(M.VERIFY_MISMATCH_BLOCKS, 2)
+        prom.observe(st.data, 0)
+        sums = prometheus_sums()
+        assert sums[M.VERIFIED_BLOCKS] == 5.0 and sums[M.VERIFY_MISMATCH_BLOCKS] == 2.0
+    finally:
+        for m in created:
+            REGISTRY.unregister(m)
+
+
+# ---- the GPU script's verdicts -----------------------------------------------------
+REF = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+OK_METRICS = {"vllm:num_preemptions": 3.0, "vllm:kv_offload_load_bytes": 1024.0}
+
+
+def _m(verified, mism):
+    return {**OK_METRICS, M.VERIFIED_BLOCKS: verified, M.VERIFY_MISMATCH_BLOCKS: mism}
+
+
+def test_first_diff():
+    assert preempt.first_diff([1, 2], [1, 2]) is None
+    assert preempt.first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert preempt.first_diff([1, 2, 3], [1, 2]) == 2
+    assert preempt.first_diffs(REF, [REF[0], [5, 6, 0, 0], [0, 9, 9, 9]]) == {1: 2, 2: 0}
+
+
+def test_verdict_strict_token_identity():
+    rep, _, code = preempt.evaluate(REF, REF, OK_METRICS, None, verify=False)
+    assert rep["pass"] and code == 0 and rep["blocks_pass"] is None
+    assert rep["mismatched_requests"] == [] and rep["tier_first_diff_token"] == {}
+    tier = [REF[0], [5, 6, 7, 0], REF[2]]
+    rep, _, code = preempt.evaluate(REF, tier, OK_METRICS, None, verify=False)
+    assert not rep["pass"] and code == 1 and rep["tier_first_diff_token"] == {"1": 3}
+    rep, _, code = preempt.evaluate(REF, REF, {"vllm:kv_offload_load_bytes": 1.0}, None,
+                                    verify=False)
+    assert not rep["pass"] and code == 1  # no preemption
+    ctl = [[1, 2, 0, 0], REF[1], REF[2]]  # without --verify a noisy control fails the run
+    rep, _, code = preempt.evaluate(REF, tier, OK_METRICS, ctl, verify=False)
+    assert code == 1 and rep["control_first_diff_token"] == {"0": 2}
+
+
+def test_verdict_with_verify():
+    tier = [REF[0], [5, 6, 7, 0], REF[2]]
+    ctl = [[1, 2, 0, 0], REF[1], REF[2]]
+    # tokens differ, the control differs too, every restored block byte-identical: pass
+    rep, msgs, code = preempt.evaluate(REF, tier, _m(40.0, 0.0), ctl, verify=True)
+    assert code == 0 and rep["blocks_pass"] and not rep["pass"]
+    assert rep["verified_blocks"] == 40.0 and rep["verify_mismatch_blocks"] == 0.0
+    assert rep["control_mismatched_requests"] == [0]
+    assert any(m.startswith("BLOCKS PASS") for m in msgs)
+    assert any(m.startswith("TOKENS FAIL") for m in msgs)
+    # one corrupted block fails it, whatever the tokens say
+    assert preempt.evaluate(REF, tier, _m(40.0, 1.0), ctl, verify=True)[2] == 1
+    assert preempt.evaluate(REF, REF, _m(40.0, 1.0), None, verify=True)[2] == 1
+    # nothing verified: no evidence
+    rep, _, code = preempt.evaluate(REF, REF, _m(0.0, 0.0), None, verify=True)
+    assert code == 1 and rep["blocks_pass"] is False
+    rep, _, code = preempt.evaluate(REF, REF, OK_METRICS, None, verify=True)
+    assert code == 1
+    # the control matches: token comparison is meaningful, the tier run fails
+    assert preempt.evaluate(REF, tier, _m(40.0, 0.0), REF, verify=True)[2] == 1
+    assert preempt.evaluate(REF, tier, _m(40.0, 0.0), None, verify=True)[2] == 1
+    # no preemption: not the scenario under test
+    no_pre = {**_m(40.0, 0.0), "vllm:num_preemptions": 0.0}
+    assert preempt.evaluate(REF, tier, no_pre, ctl, verify=True)[2] == 1
+    # all identical and verified
+    rep, _, code = preempt.evaluate(REF, REF, _m(40.0, 0.0), None, verify=True)
+    assert code == 0 and rep["pass"] and rep["blocks_pass"]
+
+
+def test_run_child_sets_verify_env_only_for_the_verify_run(monkeypatch):
+    import json
+
+    seen = []
+
+    def fake_run(cmd, check, env):
+        seen.append(env.get(ENV_VERIFY))
+        with open(cmd[-1], "w") as f:
+            json.dump({"outputs": [], "metrics": {}}, f)
+
+    monkeypatch.setattr(preempt.subprocess, "run", fake_run)
+    monkeypatch.setenv(ENV_VERIFY, "1")
+    preempt.run_child({"model": "m"})
+    preempt.run_child({"model": "m", "verify": True})
+    assert seen == [None, "1"]
+    assert preempt.VERIFY_ENV == ENV_VERIFY
+
+
+def test_verify_needs_the_ion_spec():
+    r = subprocess.run([sys.executable, f"{SCRIPTS}/kv_tier_preempt_check.py", "/nonexistent",
+                        "--verify", "--spec", "native"], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 2 and "--verify needs --spec ion" in r.stderr
+
+
+# ---- CUDA streams (skipped without a GPU) ---------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("copier", ["batch", "torch"])
+def test_verify_on_cuda_streams(copier):
+    """Verify mode on real CUDA streams: the randomized harness restores every block with
+    0 mismatches, and one flipped byte in pinned host memory is reported."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+
+    res = run_random_ops(41, 2000, copier=copier, device="cuda",
+                         runtime=CudaRuntime(torch.device("cuda")),
+                         worker_cls=functools.partial(IonKVTierWorker, verify=True))
+    ws = res.worker_stats
+    assert ws["verified_blocks"] == res.restored_blocks > 0
+    assert ws["verify_mismatch_blocks"] == 0
+
+    kvm = KVModel("ion", 16, device="cuda")
+    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
+    w = IonKVTierWorker(kvm.canonical, num_host_blocks=8, ring_bytes=2 * slot,
+                        copier=copier, log_interval_s=0, verify=True)
+    for b in range(6):
+        kvm.write(b, kvm.random_block())
+    w.submit_store(1, GPULoadStoreSpec(list(range(6)), [6], [0]), IonHostSpec(list(range(6))))
+    w.wait({1})  # 2 blocks through the ring, 4 bypassed
+    done = set()
+    while 1 not in done:
+        done |= {x.job_id for x in w.get_finished()}
+    assert w.stats.bypass_blocks == 4
+    w.host[4, 17] ^= 0x08
+    w.submit_load(2, IonHostSpec(list(range(6))), GPULoadStoreSpec(list(range(8, 14)), [6], [0]))
+    w.wait({2})
+    while 2 not in done:
+        done |= {x.job_id for x in w.get_finished()}
+    assert w.stats.verified_blocks == 6 and w.stats.verify_mismatch_blocks == 1
