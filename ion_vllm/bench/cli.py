@@ -2,6 +2,7 @@
 
     ion-bench kernel [--suite NAME ...] [--case NAME ...] [--backends ion,ion-unpacked,fa3,fa4,triton]
     ion-bench e2e    [--workload NAME ...] [--backends ION,FLASH_ATTN] [--repeats 2] [--serve]
+                     [--colocate [--kv-cache-gib 40] [--time-budget S]]
     ion-bench report DIR
 
 Results go to ``bench/results/<date>-<gpu>/`` (``--out`` overrides): summary.json,
@@ -16,6 +17,7 @@ import importlib.metadata
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from . import e2e as e2e_mod
@@ -109,6 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--serve", action="store_true",
                    help="vllm serve + vllm bench serve (TTFT/TPOT p50/p99) instead of "
                         "bench throughput")
+    e.add_argument("--colocate", action="store_true",
+                   help="with --serve (implied): start one vllm serve per backend at the same "
+                        "time on one GPU (--gpu-memory-utilization 0.90/N, --kv-cache-gib "
+                        "each), serve every workload from them and alternate the bench runs "
+                        "between them (one engine start per backend instead of one per "
+                        "workload and backend)")
+    e.add_argument("--kv-cache-gib", type=float, default=40.0,
+                   help="--colocate: KV cache of each server in GiB (vLLM's "
+                        "--kv-cache-memory-bytes; no KV-cache memory profiling)")
+    e.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                   help="--colocate: start no bench run once this many seconds have passed "
+                        "since the command began (0: no budget); results are built from "
+                        "the runs that finished")
     e.add_argument("--disable-detokenize", action="store_true")
     e.add_argument("--num-warmups", type=int, default=4,
                    help="warm-up prompts before the timed run (vLLM's --num-warmups)")
@@ -191,7 +206,24 @@ def cmd_kernel(args) -> int:
 
 # --------------------------------------------------------------------------- e2e
 
+def _print_colocated(workloads, opts, out: Path) -> None:
+    ports = {b: 8000 + i for i, b in enumerate(opts.backends)}
+    _log("# colocated servers on one GPU, started together: "
+         + ", ".join(f"{b} on port {p}" for b, p in ports.items()))
+    for b, port in ports.items():
+        env = e2e_mod.colocate_server_env(b, opts)
+        _log(f"# server {b} (environment: "
+             + " ".join(f"{k}={v}" for k, v in sorted(env.items())) + ")")
+        _log(shlex.join(e2e_mod.colocate_serve_cmd(workloads, b, opts, port)))
+    if opts.time_budget:
+        _log(f"# no bench run starts after {opts.time_budget:.0f}s")
+    for w, b, r, seed, cmd, _ in e2e_mod.plan_colocated(workloads, opts, out, ports):
+        _log(f"# {w.name} / {b} / repeat {r + 1} (seed {seed}; prefix cache reset first)")
+        _log(shlex.join(cmd))
+
+
 def cmd_e2e(args) -> int:
+    t_start = time.monotonic()
     try:
         workloads = e2e_mod.select_workloads(args.workload)
     except KeyError as err:
@@ -200,15 +232,34 @@ def cmd_e2e(args) -> int:
     if args.repeats < 1:
         _log("ion-bench: --repeats must be >= 1")
         return 2
+    if args.colocate:
+        args.serve = True
+        try:
+            e2e_mod.check_colocatable(workloads)
+        except ValueError as err:
+            _log(f"ion-bench: {err}")
+            return 2
+        if args.kv_cache_gib <= 0:
+            _log("ion-bench: --kv-cache-gib must be > 0")
+            return 2
+    elif args.time_budget:
+        _log("ion-bench: --time-budget is only supported with --colocate")
+        return 2
+    if args.time_budget < 0:
+        _log("ion-bench: --time-budget must be >= 0")
+        return 2
     opts = e2e_mod.E2EOptions(
         model=args.model, backends=tuple(_csv(args.backends)), repeats=args.repeats,
         seed=args.seed, num_prompts=args.num_prompts,
         disable_detokenize=args.disable_detokenize, load_format=args.load_format,
         num_warmups=args.num_warmups, max_model_len=args.max_model_len,
-        extra_args=tuple(args.vllm_arg), run_timeout=args.run_timeout, python=args.python)
+        extra_args=tuple(args.vllm_arg), run_timeout=args.run_timeout, python=args.python,
+        kv_cache_gib=args.kv_cache_gib, time_budget=args.time_budget)
     if args.dry_run:
         out = Path(args.out) if args.out else Path("bench/results/<date>-<gpu>")
-        if args.serve:
+        if args.colocate:
+            _print_colocated(workloads, opts, out)
+        elif args.serve:
             port = 8000
             for w in workloads:
                 for b in opts.backends:
@@ -229,8 +280,9 @@ def cmd_e2e(args) -> int:
     gpu = gpu_name_via_subprocess(opts.python)
     out = Path(args.out) if args.out else report.default_results_dir(gpu)
     out.mkdir(parents=True, exist_ok=True)
+    mode = "serve, colocated" if args.colocate else ("serve" if args.serve else "throughput")
     _log(f"[e2e] workloads {[w.name for w in workloads]} x {list(opts.backends)} x "
-         f"{opts.repeats} repeats ({'serve' if args.serve else 'throughput'}); results -> {out}")
+         f"{opts.repeats} repeats ({mode}); results -> {out}")
     report.update_summary(out, [], {"gpu": gpu, "date": _dt.date.today().isoformat(),
                                     "versions": versions()})
 
@@ -243,8 +295,12 @@ def cmd_e2e(args) -> int:
         for rec in report.load_summary(out)["records"]:
             if rec.get("suite") == "e2e" and rec.get("runs"):
                 prior.setdefault(rec["case"], {})[rec["backend"]] = rec["runs"]
-    runner = e2e_mod.run_serve if args.serve else e2e_mod.run_throughput
-    recs = runner(workloads, opts, out, log=_log, on_records=flush, prior=prior)
+    if args.colocate:
+        recs = e2e_mod.run_serve_colocated(workloads, opts, out, log=_log, on_records=flush,
+                                           prior=prior, t_start=t_start)
+    else:
+        runner = e2e_mod.run_serve if args.serve else e2e_mod.run_throughput
+        recs = runner(workloads, opts, out, log=_log, on_records=flush, prior=prior)
     report.update_summary(out, recs)
     table, plot = report.render(out)
     for rec in recs:
@@ -253,7 +309,11 @@ def cmd_e2e(args) -> int:
             _log(f"[e2e] {rec['case']}: ION/FLASH_ATTN total tok/s = {rat['ratio']:.3f} "
                  f"(per-repeat {rat['ratio_min']:.3f}..{rat['ratio_max']:.3f})")
     _log(f"[e2e] wrote {out / 'summary.json'}, {table}, {plot}")
-    failed = [r for r in recs if r.get("status") != "ok"]
+    skipped = [r for r in recs if r.get("status") == "skipped"]
+    if skipped:
+        _log("[e2e] not run within the time budget: "
+             + ", ".join(f"{r['case']}/{r['backend']}" for r in skipped))
+    failed = [r for r in recs if r.get("status") not in ("ok", "skipped")]
     return 1 if failed else 0
 
 

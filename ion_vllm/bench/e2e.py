@@ -9,6 +9,7 @@ Everything runs as subprocesses of ``python3 -m vllm.entrypoints.cli.main`` (no
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -102,6 +103,8 @@ class E2EOptions:
     run_timeout: float = 1800.0
     server_timeout: float = 900.0
     env: dict = field(default_factory=dict)
+    kv_cache_gib: float = 40.0           # --colocate: KV cache per server (GiB)
+    time_budget: float = 0.0             # --colocate: no new bench run after this many s
 
 
 # --------------------------------------------------------------------------- commands
@@ -187,12 +190,16 @@ def serve_cmd(w: Workload, backend: str, opts: E2EOptions, port: int) -> list[st
 
 
 def bench_serve_cmd(w: Workload, opts: E2EOptions, port: int, result_dir: str,
-                    result_file: str) -> list[str]:
+                    result_file: str, seed: int | None = None) -> list[str]:
+    """``vllm bench serve`` against the server on ``port``.  ``seed``: the repeat's
+    dataset seed (``opts.seed + repeat``; default ``opts.seed``): the same seed on every
+    repeat would replay the same prompts, which the server's prefix cache then serves."""
+    seed = opts.seed if seed is None else seed
     cmd = [opts.python, *VLLM_CLI, "bench", "serve", "--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--model", str(opts.model)]
     cmd += _dataset_args(w, num_prompts_for(w, opts))
     cmd += ["--max-concurrency", str(w.concurrency), "--request-rate", "inf", "--ignore-eos",
-            "--seed", str(opts.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result",
             "--result-dir", str(result_dir), "--result-filename", str(result_file)]
     if opts.num_warmups:
@@ -212,6 +219,116 @@ def plan_throughput(workloads: list[Workload], opts: E2EOptions, out_dir: Path,
             for b in opts.backends:
                 js = out_dir / "raw" / f"{w.name}-{b}-r{r}.json"
                 plan.append((w, b, r, throughput_cmd(w, b, opts, str(js)), js))
+    return plan
+
+
+# --------------------------------------------------------------------------- colocated servers
+#
+# ``--serve --colocate``: one ``vllm serve`` per backend label, all started at once on
+# one GPU, each sized explicitly (no KV-cache profiling race between the processes),
+# each serving every selected workload; the bench runs then alternate between them.
+
+#: the GPU-memory fraction shared out between the colocated servers
+COLOCATE_GPU_FRACTION_PCT = 90
+#: max-model-len granularity for colocated servers
+COLOCATE_LEN_ROUND = 256
+#: server environment: VLLM_SERVER_DEV_MODE=1 exposes POST /reset_prefix_cache, called
+#: before every bench run so that a run never hits blocks cached by an earlier workload
+#: or repeat on the same long-lived server
+COLOCATE_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def check_colocatable(workloads: list[Workload]) -> None:
+    """Colocated servers keep vLLM's default prefix caching (on) for every workload;
+    a workload that asks for it off cannot share them."""
+    off = [w.name for w in workloads if w.prefix_caching is False]
+    if off:
+        raise ValueError(
+            f"--colocate serves every workload from one server per backend with prefix "
+            f"caching on (vLLM's default), but workload(s) {', '.join(off)} need it off; "
+            f"run them without --colocate")
+
+
+def colocate_gpu_memory_utilization(n_servers: int) -> float:
+    """floor(0.90 / n, 2 decimals), in integer arithmetic (0.90/2 = 0.45, /3 = 0.30, /4 = 0.22)."""
+    if n_servers < 1:
+        raise ValueError("need at least one server")
+    return (COLOCATE_GPU_FRACTION_PCT // n_servers) / 100
+
+
+def colocate_kv_cache_bytes(opts: E2EOptions) -> int:
+    if opts.kv_cache_gib <= 0:
+        raise ValueError(f"--kv-cache-gib must be > 0 (got {opts.kv_cache_gib})")
+    return round(opts.kv_cache_gib * (1 << 30))
+
+
+def colocate_max_num_seqs(workloads: list[Workload]) -> int:
+    return max(w.concurrency for w in workloads)
+
+
+def colocate_max_model_len(workloads: list[Workload], opts: E2EOptions) -> int:
+    """``opts.max_model_len`` if given, else the longest prompt + output any selected
+    workload can draw, rounded up to a multiple of 256."""
+    if opts.max_model_len:
+        return opts.max_model_len
+    need = max(w.max_prompt_len + math.ceil(w.output_len * (1 + (w.range_ratio or 0.0)))
+               for w in workloads)
+    return -(-need // COLOCATE_LEN_ROUND) * COLOCATE_LEN_ROUND
+
+
+def colocate_serve_cmd(workloads: list[Workload], backend: str, opts: E2EOptions,
+                       port: int) -> list[str]:
+    """``vllm serve`` for one backend label, sized for all ``workloads`` and for a GPU
+    shared with ``len(opts.backends)`` servers."""
+    check_colocatable(workloads)
+    cmd = [opts.python, *VLLM_CLI, "serve", str(opts.model), "--host", "127.0.0.1",
+           "--port", str(port),
+           "--attention-backend", resolve_backend(backend)[0],
+           "--max-num-seqs", str(colocate_max_num_seqs(workloads)),
+           "--max-model-len", str(colocate_max_model_len(workloads, opts)),
+           "--gpu-memory-utilization", f"{colocate_gpu_memory_utilization(len(opts.backends)):.2f}",
+           "--kv-cache-memory-bytes", str(colocate_kv_cache_bytes(opts)),
+           "--seed", str(opts.seed)]
+    lf = load_format_for(opts)
+    if lf:
+        cmd += ["--load-format", lf]
+    if any(w.prefix_caching is True for w in workloads):
+        cmd += ["--enable-prefix-caching"]  # the default, said explicitly
+    cmd += list(opts.extra_args)
+    return cmd
+
+
+def colocate_server_env(backend: str, opts: E2EOptions) -> dict[str, str]:
+    """Environment added to one colocated server's (on top of os.environ)."""
+    env = dict(COLOCATE_SERVER_ENV)
+    env.update(backend_env(backend, opts))
+    return env
+
+
+def distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def plan_colocated(workloads: list[Workload], opts: E2EOptions, out_dir: Path,
+                   ports: dict[str, int], offsets: dict[str, int] | None = None):
+    """[(workload, backend, repeat, seed, cmd, result_path)] in execution order: per
+    workload, per repeat r, every backend in the given order (A/B/A/B), all with
+    ``--seed opts.seed + r``.  Repeats start at ``offsets[workload]``."""
+    plan = []
+    rdir = out_dir / "raw"
+    for w in workloads:
+        first = (offsets or {}).get(w.name, 0)
+        for r in range(first, first + opts.repeats):
+            seed = opts.seed + r
+            for b in opts.backends:
+                fname = f"{w.name}-serve-{b}-r{r}.json"
+                cmd = bench_serve_cmd(w, opts, ports[b], str(rdir), fname, seed=seed)
+                plan.append((w, b, r, seed, cmd, rdir / fname))
     return plan
 
 
@@ -318,6 +435,7 @@ def parse_bench_serve(path: str | os.PathLike) -> dict:
         "requests_s": g("request_throughput"),
         "elapsed_s": g("duration"),
         "completed": g("completed"),
+        "failed": g("failed"),
         "ttft_p50_ms": g("p50_ttft_ms", "median_ttft_ms"),
         "ttft_p99_ms": g("p99_ttft_ms"),
         "tpot_p50_ms": g("p50_tpot_ms", "median_tpot_ms"),
@@ -550,12 +668,13 @@ def run_serve(workloads: list[Workload], opts: E2EOptions, out_dir: Path, *,
                         res_path = rdir / fname
                         if res_path.exists():
                             res_path.unlink()
-                        bcmd = bench_serve_cmd(w, opts, port, str(rdir), fname)
+                        bcmd = bench_serve_cmd(w, opts, port, str(rdir), fname,
+                                               seed=opts.seed + r)
                         blog = out_dir / "logs" / f"{w.name}-serve-{b}-r{r}.log"
                         rc, _ = _run_logged(bcmd, blog, opts.run_timeout, env=opts.env)
                         if rc == 0 and res_path.exists():
                             res = parse_bench_serve(res_path)
-                            res.update(repeat=r, log=str(blog))
+                            res.update(repeat=r, seed=opts.seed + r, log=str(blog))
                             runs[b].append(res)
                             log(f"[e2e] {w.name + '-serve':<20} {b:<10} r{r}: "
                                 f"{res['total_tok_s'] or float('nan'):9.1f} total tok/s, TTFT p50 "
@@ -575,6 +694,266 @@ def run_serve(workloads: list[Workload], opts: E2EOptions, out_dir: Path, *,
                                              errors=errors)
             if on_records:
                 on_records([x for v in all_recs.values() for x in v])
+    return [x for v in all_recs.values() for x in v]
+
+
+@dataclass
+class ColocatedServer:
+    backend: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]           # added to os.environ
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    started: float | None = None  # time.monotonic() at launch
+    startup_s: float | None = None
+    error: str | None = None
+
+    def info(self) -> dict:
+        d = {"colocated": True, "startup_s": self.startup_s, "port": self.port,
+             "argv": list(self.argv)}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def _launch(s: ColocatedServer) -> None:
+    s.log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(s.env)
+    with open(s.log_path, "w") as lf:
+        extra = " ".join(f"{k}={_q(v)}" for k, v in sorted(s.env.items()))
+        lf.write(f"$ {extra} " + " ".join(_q(c) for c in s.argv) + "\n")
+        lf.flush()
+        s.proc = subprocess.Popen(s.argv, stdout=lf, stderr=subprocess.STDOUT,
+                                  start_new_session=True, env=env)
+    s.started = time.monotonic()
+
+
+def _wait_all_healthy(servers: list[ColocatedServer], timeout: float, log) -> None:
+    """Wait for every server's /health at once; a server that dies or times out gets
+    ``error`` set, the others ``startup_s``."""
+    import threading
+
+    def one(s: ColocatedServer):
+        try:
+            wait_healthy(s.port, s.proc, timeout)
+            s.startup_s = time.monotonic() - s.started
+            log(f"[e2e] colocated server {s.backend} healthy on port {s.port} after "
+                f"{s.startup_s:.0f}s")
+        except Exception as e:  # noqa: BLE001 - recorded, the others go on
+            s.error = f"{type(e).__name__}: {e} (server log {s.log_path})"
+            log(f"[e2e] colocated server {s.backend} FAILED: {s.error}")
+
+    threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+
+
+def _stop_all(servers: list[ColocatedServer], log) -> None:
+    """Stop every server's process group, all at once (each gets _kill_group's grace)."""
+    import threading
+    procs = [s.proc for s in servers if s.proc is not None]
+    if not procs:
+        return
+    log(f"[e2e] stopping {len(procs)} colocated server(s)")
+    threads = [threading.Thread(target=_kill_group, args=(p,), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for p in procs:  # a leader that outlived the threads' wait: no grace left
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def reset_prefix_cache(port: int, tries: int = 3) -> bool | None:
+    """POST /reset_prefix_cache (served with VLLM_SERVER_DEV_MODE=1).  True/False: the
+    server's answer (it refuses while blocks are held; retried); None: no such route."""
+    url = f"http://127.0.0.1:{port}/reset_prefix_cache"
+    ok = False
+    for i in range(tries):
+        try:
+            req = urllib.request.Request(url, data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                body = r.read().decode(errors="replace")
+            try:
+                ok = bool(json.loads(body).get("success", True))
+            except (ValueError, AttributeError):
+                ok = True  # 200 without a JSON verdict
+        except urllib.error.HTTPError as e:
+            if e.code in (404, 405):
+                return None
+            ok = False
+        except (urllib.error.URLError, ConnectionError, OSError):
+            ok = False
+        if ok:
+            return True
+        if i + 1 < tries:
+            time.sleep(1.0)
+    return False
+
+
+def run_serve_colocated(workloads: list[Workload], opts: E2EOptions, out_dir: Path, *,
+                        log=print, on_records=None, prior: dict | None = None,
+                        t_start: float | None = None, clock=time.monotonic) -> list[dict]:
+    """``--serve --colocate``: start one ``vllm serve`` per backend label at the same
+    time on one GPU (explicit memory split, fixed KV cache size), wait for all of them,
+    then per workload and repeat run ``vllm bench serve`` against each backend in turn.
+
+    ``opts.time_budget`` (s since ``t_start``, default now; measured with ``clock``):
+    no bench run starts after it; records are built from the runs that finished (a
+    repeat that the budget cut in the middle is kept apart as ``unpaired_runs``, so
+    that the means compare the same prompts).  The servers are always stopped."""
+    check_colocatable(workloads)
+    prior = prior or {}
+    t_start = clock() if t_start is None else t_start
+    budget = opts.time_budget or 0.0
+
+    def over_budget() -> bool:
+        return budget > 0 and clock() - t_start >= budget
+
+    runs: dict[str, dict[str, list[dict]]] = {}
+    offsets: dict[str, int] = {}
+    for w in workloads:  # prior runs (--accumulate), kept pairwise aligned
+        rs = {b: list(prior.get(f"{w.name}-serve", {}).get(b, [])) for b in opts.backends}
+        n = min(len(v) for v in rs.values())
+        runs[w.name] = {b: v[:n] for b, v in rs.items()}
+        offsets[w.name] = n
+    hard: dict[str, dict[str, list[str]]] = {w.name: {b: [] for b in opts.backends}
+                                             for w in workloads}
+    budget_skips: dict[str, dict[str, list[int]]] = {w.name: {b: [] for b in opts.backends}
+                                                     for w in workloads}
+    unpaired: dict[str, dict[str, list[dict]]] = {w.name: {b: [] for b in opts.backends}
+                                                  for w in workloads}
+    ports = dict(zip(opts.backends, distinct_free_ports(len(opts.backends))))
+    servers = {b: ColocatedServer(b, ports[b], colocate_serve_cmd(workloads, b, opts, ports[b]),
+                                  colocate_server_env(b, opts),
+                                  out_dir / "logs" / f"colocated-{b}.server.log")
+               for b in opts.backends}
+    all_recs: dict[str, list[dict]] = {}
+    new_runs: dict[tuple[str, int], dict[str, dict]] = {}  # (workload, repeat) -> this call's
+
+    def records_for(w: Workload) -> list[dict]:
+        errs = {}
+        for b in opts.backends:
+            msgs = list(hard[w.name][b])
+            if budget_skips[w.name][b]:
+                msgs.append(f"time budget {budget:.0f}s spent: repeat(s) "
+                            f"{budget_skips[w.name][b]} not run")
+            if unpaired[w.name][b]:
+                msgs.append(f"repeat(s) {[x['repeat'] for x in unpaired[w.name][b]]} kept "
+                            f"out of the means: the time budget cut their pair")
+            if msgs:
+                errs[b] = "; ".join(msgs)
+        recs = build_records(w, runs[w.name], opts, case=f"{w.name}-serve", errors=errs)
+        for rec in recs:
+            b = rec["backend"]
+            rec["server"] = servers[b].info()
+            rec["workload"]["prefix_caching"] = True  # the colocated servers' setting
+            if unpaired[w.name][b]:
+                rec["unpaired_runs"] = unpaired[w.name][b]
+            if (rec["status"] == "error" and not hard[w.name][b]
+                    and (budget_skips[w.name][b] or unpaired[w.name][b])):
+                rec["status"] = "skipped"
+        return recs
+
+    def flush(w: Workload):
+        all_recs[w.name] = records_for(w)
+        if on_records:
+            on_records([x for v in all_recs.values() for x in v])
+
+    try:
+        if over_budget():
+            log(f"[e2e] time budget {budget:.0f}s already spent: no server started")
+        else:
+            for b, s in servers.items():
+                log(f"[e2e] starting colocated vllm serve ({b}) on port {s.port} "
+                    f"(log {s.log_path})")
+                try:
+                    _launch(s)
+                except OSError as e:
+                    s.error = f"could not start vllm serve: {type(e).__name__}: {e}"
+                    log(f"[e2e] colocated server {b} FAILED: {s.error}")
+            wait_s = opts.server_timeout
+            if budget > 0:
+                wait_s = min(wait_s, max(0.0, budget - (clock() - t_start)))
+            _wait_all_healthy([s for s in servers.values() if s.proc is not None], wait_s, log)
+            for b, s in servers.items():
+                if s.error:
+                    if budget > 0 and wait_s < opts.server_timeout and over_budget():
+                        s.error += f" (wait capped by the {budget:.0f}s time budget)"
+                    for w in workloads:
+                        hard[w.name][b].append(f"server failed: {s.error}")
+            if all(s.error for s in servers.values()):
+                log("[e2e] no colocated server came up; nothing to run")
+        plan = plan_colocated(workloads, opts, out_dir, ports, offsets)
+        skipped: list[str] = []
+        for i, (w, b, r, seed, bcmd, res_path) in enumerate(plan):
+            s = servers[b]
+            if s.error:
+                continue
+            if over_budget():
+                budget_skips[w.name][b].append(r)
+                skipped.append(f"{w.name}/{b}/r{r}")
+                continue
+            if s.proc.poll() is not None:
+                s.error = (f"server exited with code {s.proc.returncode} during the "
+                           f"benchmark (server log {s.log_path})")
+                log(f"[e2e] colocated server {b}: {s.error}")
+                for ww in workloads:
+                    hard[ww.name][b].append(f"server failed: {s.error}")
+                continue
+            log(f"[e2e] ({i + 1}/{len(plan)}) {w.name}-serve {b} repeat "
+                f"{r + 1 - offsets[w.name]}/{opts.repeats} (seed {seed}, port {s.port}) ...")
+            reset = reset_prefix_cache(s.port)
+            if reset is not True:
+                log(f"[e2e] {b}: prefix cache NOT reset before {w.name} r{r} "
+                    f"({'no /reset_prefix_cache route' if reset is None else 'refused'})")
+            res_path.parent.mkdir(parents=True, exist_ok=True)
+            if res_path.exists():
+                res_path.unlink()
+            blog = out_dir / "logs" / f"{w.name}-serve-{b}-r{r}.log"
+            t0 = time.monotonic()
+            rc, _ = _run_logged(bcmd, blog, opts.run_timeout, env=opts.env)
+            wall = time.monotonic() - t0
+            if rc == 0 and res_path.exists():
+                res = parse_bench_serve(res_path)
+                res.update(repeat=r, seed=seed, wall_s=wall, log=str(blog),
+                           prefix_cache_reset=reset)
+                runs[w.name][b].append(res)
+                new_runs.setdefault((w.name, r), {})[b] = res
+                log(f"[e2e] {w.name + '-serve':<20} {b:<10} r{r}: "
+                    f"{res['total_tok_s'] or float('nan'):9.1f} total tok/s, TTFT p50 "
+                    f"{res['ttft_p50_ms'] or float('nan'):.1f} ms p99 "
+                    f"{res['ttft_p99_ms'] or float('nan'):.1f} ms, TPOT p50 "
+                    f"{res['tpot_p50_ms'] or float('nan'):.2f} ms p99 "
+                    f"{res['tpot_p99_ms'] or float('nan'):.2f} ms (wall {wall:.0f}s)")
+            else:
+                hard[w.name][b].append(f"bench serve run {r} failed (rc={rc}); see {blog}")
+                log(f"[e2e] {w.name}-serve {b} r{r}: FAILED rc={rc} (log {blog})")
+            flush(w)
+        # a repeat the budget cut in the middle: its finished runs have no partner
+        for w in workloads:
+            for r in sorted({r for v in budget_skips[w.name].values() for r in v}):
+                for b, res in new_runs.get((w.name, r), {}).items():
+                    runs[w.name][b] = [x for x in runs[w.name][b] if x is not res]
+                    unpaired[w.name][b].append(res)
+                    log(f"[e2e] {w.name}-serve {b} r{r}: kept out of the means "
+                        f"(its pair was cut by the time budget)")
+        if skipped:
+            log(f"[e2e] time budget {budget:.0f}s spent after {clock() - t_start:.0f}s: "
+                f"skipped {len(skipped)} bench run(s): {', '.join(skipped)}")
+        for w in workloads:
+            flush(w)
+    finally:
+        _stop_all(list(servers.values()), log)
     return [x for v in all_recs.values() for x in v]
 
 
