@@ -10,6 +10,7 @@
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
 # no two processes write one cache). Step 3 times kernels and always runs alone, afterwards.
 # KVAL_STEP_S caps each correctness step (default 600 s), KVAL_BENCH_S the A/B (600 s).
+# KVAL_STEPS (space-separated step names) runs a subset; KVAL_BACKENDS sets the A/B's backends.
 # Each step has its own time limit and the script keeps going after a failure.
 # Run it on the GPU host with the project installed and CuTeDSL + vLLM importable.
 #   scripts/kernel_validation.sh OUT_DIR [CASES]
@@ -57,6 +58,8 @@ pids=()
 for c in "${checks[@]}"; do
   read -r -a argv <<< "$(echo $c)"
   name=${argv[0]}
+  # KVAL_STEPS="pytest-gpu sweep-fused ...": run only those steps (default: all)
+  if [ -n "${KVAL_STEPS:-}" ] && [[ " $KVAL_STEPS " != *" $name "* ]]; then continue; fi
   if [ "${KVAL_PARALLEL:-0}" = 1 ]; then
     CUTE_DSL_CACHE_DIR="$cache_root-$name" step "$name" "$step_s" "${argv[@]:1}" &
     pids+=($!)
@@ -65,8 +68,11 @@ for c in "${checks[@]}"; do
   fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
-step bench-anchors "$bench_s" python3 -m ion_vllm.bench.cli kernel --suite anchors \
-  --backends ion,ion-unpacked,ion-m128,ion-m128-unpacked,fa3 --out "$out/bench"
+if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; then
+  step bench-anchors "$bench_s" python3 -m ion_vllm.bench.cli kernel --suite anchors \
+    --backends "${KVAL_BACKENDS:-ion,ion-unpacked,ion-m128,ion-m128-unpacked,fa3}" \
+    --out "$out/bench"
+fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"

@@ -34,3 +34,23 @@ def test_script_completes_and_summarizes_without_gpu(tmp_path, parallel):
     assert "sweep-fused: no summary" in summary
     with tarfile.open(str(out) + ".tgz") as t:
         assert any(n.endswith("summary.md") for n in t.getnames())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_step_subset(tmp_path):
+    """KVAL_STEPS runs only the named steps; the others are listed as not run ("-")."""
+    out = tmp_path / "kv"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get("PATH", ""), HF_HUB_OFFLINE="1", KVAL_PARALLEL="1",
+               KVAL_STEPS="sweep-fused bench-anchors", KVAL_BACKENDS="ion",
+               CUTE_DSL_CACHE_DIR=str(tmp_path / "cute-cache"))
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "kernel_validation.sh"),
+                        str(out), "2"], capture_output=True, text=True, env=env, timeout=900,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = {s.split()[0]: s.split()[1] for s in (out / "steps.txt").read_text().splitlines()}
+    assert steps["pytest-gpu"] == "rc=-" and steps["sweep-append"] == "rc=-"
+    assert steps["sweep-fused"] != "rc=-" and steps["bench-anchors"] != "rc=-"
+    assert not (out / "sweep-append.log").exists() and (out / "sweep-fused.log").exists()
+    bench_line = [ln for ln in r.stdout.splitlines() if ln.startswith("== bench-anchors")]
+    assert bench_line and "--backends ion --out" in bench_line[0], r.stdout
