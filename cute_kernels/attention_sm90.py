@@ -80,9 +80,6 @@ LOG2_E = 1.4426950408889634
 # work-list columns (docs/contract.md)
 W_REQ, W_HEAD, W_QSTART, W_QLEN, W_P0, W_P1, W_SPLIT, W_NSPLIT, W_QHEAD = range(9)
 WORK_COLS = 9
-#: consumers=2: named barriers SCHED_BARRIER + 0 / + 1 order the two consumer warpgroups'
-#: GEMM turns (barrier 0 is __syncthreads; nothing else in the kernel uses named barriers)
-SCHED_BARRIER = 1
 
 
 class IonAttentionSm90:
@@ -624,11 +621,6 @@ class IonAttentionSm90:
                 # tile from Q buffer 2 * stage + (w - 1)
                 ctid = tidx - 128 * wg_idx
                 q_half = wg_idx - 1
-                # ping-pong: the two consumers take turns issuing their GEMMs (named barrier
-                # 1 + w gates consumer w's turn), so one's softmax runs under the other's
-                # MMAs.  Consumer 2 hands the first turn to consumer 1.
-                if wg_idx == 2:
-                    cute.arch.barrier_arrive(barrier_id=SCHED_BARRIER, number_of_threads=256)
             # accumulate-always: S is zeroed in registers before each QK^T, so the tiled MMAs
             # are never mutated inside the dynamic loops
             qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -705,9 +697,7 @@ class IonAttentionSm90:
                     q_buf = q_handle.index * 2 + q_half
                 # first page: S = Q K^T, softmax -> P
                 k_handle = k_cons.wait_and_advance()
-                self._turn_begin(q_half)
                 self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
-                self._turn_end(q_half)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
                 if cutlass.const_expr(self.fresh_kv):
@@ -720,11 +710,9 @@ class IonAttentionSm90:
                 # previous page is consumed by O += P V_{p-1}; O is rescaled once that PV is done.
                 for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
                     k_handle = k_cons.wait_and_advance()
-                    self._turn_begin(q_half)
                     self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                     v_handle = v_cons.wait_and_advance()
                     self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
-                    self._turn_end(q_half)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
                     if cutlass.const_expr(self.fresh_kv):
@@ -737,9 +725,7 @@ class IonAttentionSm90:
                     self._rescale(acc_o, corr)
                     rP_as_s.store(acc_s.load().to(self.dtype))
                 v_handle = v_cons.wait_and_advance()
-                self._turn_begin(q_half)
                 self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
-                self._turn_end(q_half)
                 cute.nvgpu.warpgroup.wait_group(0)
                 v_handle.release()
                 q_handle.release()
@@ -777,21 +763,6 @@ class IonAttentionSm90:
             tx_count=tx_bytes,
             defer_sync=True,
         )
-
-    @cute.jit
-    def _turn_begin(self, q_half):
-        """consumers=2: wait for this consumer's GEMM turn (named barrier SCHED_BARRIER +
-        q_half, completed by the other consumer's ``_turn_end``).  Both consumers run the
-        same items and units, so their turns strictly alternate."""
-        if cutlass.const_expr(self.consumers == 2):
-            cute.arch.barrier(barrier_id=SCHED_BARRIER + q_half, number_of_threads=256)
-
-    @cute.jit
-    def _turn_end(self, q_half):
-        """consumers=2: GEMMs issued; hand the turn to the other consumer."""
-        if cutlass.const_expr(self.consumers == 2):
-            cute.arch.barrier_arrive(barrier_id=SCHED_BARRIER + 1 - q_half,
-                                     number_of_threads=256)
 
     @cute.jit
     def _load_q_halves(self, tma_q, mQ_tma, sQ_box, tma_qu, mQu_tma, sQ_box_u, q_handle,
