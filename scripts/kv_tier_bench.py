@@ -15,6 +15,12 @@ out of HBM by the others.
     python scripts/kv_tier_bench.py MODEL [--attention-backend ION] \
         [--kv-cache-memory-bytes N] [--host-gib 8] [--out bench/results/kv-tier-<date>]
 
+Defaults (8k contexts, 32 generated tokens per turn, CUDA graphs on) make the
+returning turns' prefill the dominant cost, which is what a KV tier exists to save.
+The first H200 run (2026-11-29) used 2k contexts, 128 generated tokens and
+--enforce-eager: its time went to eager decode steps, recompute was the fastest config
+(bench/results/2026-11-29-h200/kv-tier/bench-eager), and it measured the wrong thing.
+
 Reports TTFT p50/p99, output tok/s, total tok/s, host hit rate (tokens loaded
 from the host tier / tokens looked up beyond the GPU prefix cache), measured
 D2H and H2D GB/s (vLLM's kv_offload_{store,load}_{bytes,time}); writes
@@ -206,14 +212,14 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
                     help="when sizing the HBM pool: reuse set / HBM pool")
-    ap.add_argument("--host-gib", type=float, default=8.0)
+    ap.add_argument("--host-gib", type=float, default=24.0)
     ap.add_argument("--ring-mib", type=float, default=256)
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--conversations", type=int, default=64)
-    ap.add_argument("--context-len", type=int, default=2048)
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--context-len", type=int, default=8192)
     ap.add_argument("--user-len", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--wave", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)

@@ -317,3 +317,15 @@ def test_scripts_pass_arguments_through(tmp_path):
                        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert r.returncode == 0, r.stderr
     assert "decode-32x8192-h28/4-d128" in r.stdout
+
+
+def test_e2e_variants_reach_the_backend_switches():
+    """ION+packed reproduces the pre-2026-11-29 default (packed 64-row tiles); ION+m64 keeps
+    unpacked tiles but never 128-row ones.  The switch names are the backend's own."""
+    import ion_vllm.backend as backend_mod
+    from ion_vllm.bench import e2e
+
+    assert e2e.resolve_backend("ION+packed") == (
+        "ION", {backend_mod.UNPACKED_PREFILL_ENV: "0", backend_mod.PREFILL_TILE_M_ENV: "64"})
+    assert e2e.resolve_backend("ION+m64") == ("ION", {backend_mod.PREFILL_TILE_M_ENV: "64"})
+    assert e2e.resolve_backend("FLASH_ATTN") == ("FLASH_ATTN", {})

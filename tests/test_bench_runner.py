@@ -183,3 +183,20 @@ def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
         kr.PREPARE[name](CASES[0], 0, "cpu", {})
     assert seen == [{}, {"unpacked_prefill": True}, {"tile_m": 128},
                     {"tile_m": 128, "unpacked_prefill": True}]
+
+
+def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
+    """`ion-auto` plans what the vLLM backend plans by default: unpacked prefill tiles and
+    planner.choose_tile_m's tile size (128 for a lone prefill, 64 once decodes dominate)."""
+    from ion_vllm.bench.kernel_suite import Case
+
+    seen = []
+    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **opts: seen.append(opts))
+    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
+    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
+    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
+    mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
+    for case in (prefill, mixed):
+        kr.PREPARE["ion-auto"](case, 0, "cpu", {})
+    assert seen == [{"unpacked_prefill": True, "tile_m": 128},
+                    {"unpacked_prefill": True, "tile_m": 64}]

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--case", action="append", default=[],
                    help="case name (repeatable; comma-separated allowed); see --list")
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
-                   help="comma-separated subset of ion,ion-unpacked,ion-m128,"
+                   help="comma-separated subset of ion,ion-auto,ion-unpacked,ion-m128,"
                         "ion-m128-unpacked,fa3,fa4,triton (ion-unpacked: unpacked prefill "
                         "tiles; ion-m128: 128-row tiles on two consumer warpgroups; v4 "
                         "candidates)")

@@ -28,7 +28,8 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
+BACKENDS = ("ion", "ion-auto", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3", "fa4",
+            "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
@@ -293,7 +294,25 @@ def prepare_ion_m128_unpacked(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion(case, rot, device, shared, tile_m=128, unpacked_prefill=True)
 
 
-PREPARE = {"ion": prepare_ion, "ion-unpacked": prepare_ion_unpacked,
+def auto_plan_options(case: Case) -> dict:
+    """What the vLLM backend plans with by default (``ION_UNPACKED_PREFILL=1``,
+    ``ION_PREFILL_TILE_M=auto``): unpacked prefill tiles, and 128-row tiles when
+    ``cute_kernels.planner.choose_tile_m`` rates the batch prefill-dominated."""
+    from cute_kernels.planner import choose_tile_m
+
+    tile_m = choose_tile_m(np.asarray(case.query_start_loc(), dtype=np.int32),
+                           np.asarray(case.kv_lens, dtype=np.int32), num_q_heads=case.hq,
+                           num_kv_heads=case.hkv, head_dim=case.d)
+    return {"unpacked_prefill": True, "tile_m": tile_m}
+
+
+def prepare_ion_auto(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """ION as the vLLM backend runs it by default (``auto_plan_options``)."""
+    return prepare_ion(case, rot, device, shared, **auto_plan_options(case))
+
+
+PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto,
+           "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
            "triton": prepare_triton}
