@@ -154,10 +154,13 @@ def fused_fake_args(variant: Variant, unpacked: bool = False):
     return (args[0], new_kv(), new_kv()) + tuple(args[1:])
 
 
-def make_combine_kernel(variant: Variant):
-    from .combine_sm90 import CombineSm90
+def make_combine_kernel(variant: Variant, rows: bool = False):
+    """The split-KV combine kernel; ``rows=True``: the row-parallel ``CombineRowsSm90``
+    (same arguments; opt-in until validated on a GPU)."""
+    from .combine_sm90 import CombineRowsSm90, CombineSm90
 
-    return CombineSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad)
+    cls = CombineRowsSm90 if rows else CombineSm90
+    return cls(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad)
 
 
 def combine_fake_args(variant: Variant):
@@ -201,11 +204,11 @@ def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_combine(variant: Variant):
+def _compiled_combine(variant: Variant, rows: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_combine_kernel(variant), *combine_fake_args(variant),
+        return cute.compile(make_combine_kernel(variant, rows), *combine_fake_args(variant),
                             options="--enable-tvm-ffi")
 
 
@@ -240,7 +243,7 @@ class DevicePlan:
 
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
-                 unpacked: bool = False, tile_m: int = 64):
+                 unpacked: bool = False, tile_m: int = 64, row_combine: bool = False):
         device = torch.device(device)
         #: MMA rows of a q tile of the plans this holds: 64 runs the default kernels,
         #: 128 the consumers=2 variants (upload refuses a plan of the other kind)
@@ -252,6 +255,8 @@ class DevicePlan:
         self.group_capacity = max(1, int(group_capacity))
         self.partial_rows_capacity = int(partial_rows_capacity)
         self.always_combine = always_combine
+        #: merge split-KV partials with the row-parallel combine kernel (CombineRowsSm90)
+        self.row_combine = bool(row_combine)
         #: 8 columns for packed-only plans (the default kernels), 9 with unpacked_prefill
         self.work_cols = _work_cols(unpacked)
         self.work = torch.zeros((self.item_capacity, self.work_cols), dtype=torch.int32,
@@ -328,7 +333,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      page_size: int, head_dim: int, device, num_ctas: Optional[int] = None,
                      allow_split: bool = True, max_splits: int = 16,
                      fresh_kv: bool = False, unpacked_prefill: bool = False,
-                     tile_m: int = 64, cost_model=None) -> DevicePlan:
+                     tile_m: int = 64, cost_model=None,
+                     row_combine: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -340,7 +346,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     (``IonAttentionSm90(consumers=2)``, one CTA per SM, so ``num_ctas`` defaults to the
     SM count); ``ion_attention`` picks that variant from ``DevicePlan.tile_m``.
     ``cost_model``: the planner's ``CostModel`` (default: the planner's own), e.g. one
-    that makes splitting cheap so tests can force split-KV."""
+    that makes splitting cheap so tests can force split-KV.
+    ``row_combine=True``: split-KV partials are merged by the row-parallel combine kernel."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -358,7 +365,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
-                    tile_m=tile_m)
+                    tile_m=tile_m, row_combine=row_combine)
     return dp.upload(p)
 
 
@@ -478,19 +485,21 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
     if plan.always_combine or plan.num_groups > 0:
-        _compiled_combine(variant)(out, query_start_loc, plan.combine, plan.partial_o,
-                                   plan.partial_lse, G, plan.num_ctas)
+        _compiled_combine(variant, bool(getattr(plan, "row_combine", False)))(
+            out, query_start_loc, plan.combine, plan.partial_o, plan.partial_lse, G,
+            plan.num_ctas)
     return out
 
 
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
-               unpacked: bool = False, consumers=1) -> None:
+               unpacked: bool = False, consumers=1, row_combine: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
     ``consumers``: 1, 2 or a collection of them: the attention kernels of 64-row
-    (``tile_m=64`` plans) and / or 128-row (``tile_m=128``) q tiles.
+    (``tile_m=64`` plans) and / or 128-row (``tile_m=128``) q tiles.  ``row_combine``: the
+    row-parallel combine kernel instead of the default one.
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -504,5 +513,5 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
             _compiled(variant, True, c)
             if fused:
                 _compiled_fused(variant, True, c)
-    _compiled_combine(variant)
+    _compiled_combine(variant, row_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -75,3 +75,84 @@ class CombineSm90:
                     if den > 0.0:
                         res = num / den
                     mO[tok_base + t, h * group_size + g, col] = res.to(self.dtype)
+
+
+class CombineRowsSm90:
+    """Row-parallel variant of :class:`CombineSm90` (same arguments, same result).
+
+    ``CombineSm90`` gives a group to a CTA and walks its rows one after another, and each row
+    walks its splits one dependent load at a time, so a batch of few, long decode rows (8
+    requests x 32k tokens: 32 groups of 7 rows x 8 splits) leaves 232 of 264 CTAs idle and
+    the rest in a chain of ~170 dependent loads.  Here each of the CTA's 4 warps merges its
+    own row (lanes cover D, 32 consecutive columns per load), the split loops are unrolled
+    so their loads are in flight together, and a CTA stops at the first padding group
+    (``ntok == 0``: the planner packs groups at the front and ``DevicePlan.upload`` zeroes the
+    rest), instead of striding over the whole group buffer.
+    """
+
+    warps = 4
+
+    def __init__(self, dtype, head_dim: int, group_pad: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.group_pad = group_pad
+        self.threads = 32 * self.warps
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
+                 mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32,
+                 num_ctas: cutlass.Int32, stream):
+        self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, group_size).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
+               mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
+        D = self.head_dim
+        Gp = self.group_pad
+        K = D // 32  # columns per lane: lane + 32 * j
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        cap = mCombine.shape[0]
+        acc = cute.make_rmem_tensor((K,), cutlass.Float32)
+        gi = bidx
+        ntok = cutlass.Int32(0)
+        if gi < cap:
+            ntok = mCombine[gi, C_NTOK]
+        while ntok > 0:
+            b = mCombine[gi, C_REQ]
+            h = mCombine[gi, C_HEAD]
+            n_split = mCombine[gi, C_NSPLIT]
+            base = mCombine[gi, C_BASE]
+            tok_base = mQSL[b] + mCombine[gi, C_TOK0]
+            split_stride = ntok * Gp
+            n_rows = ntok * group_size
+            for r in cutlass.range(warp, n_rows, self.warps, unroll=1):
+                t = r // group_size
+                g = r - t * group_size
+                prow = base + t * Gp + g
+                m = -cutlass.Float32.inf
+                for s in cutlass.range(n_split, unroll=4):
+                    m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
+                if m == -cutlass.Float32.inf:
+                    m = cutlass.Float32(0.0)
+                den = cutlass.Float32(0.0)
+                acc.fill(0.0)
+                for s in cutlass.range(n_split, unroll=4):
+                    w = cute.math.exp2(mLsePartial[prow + s * split_stride] - m, fastmath=True)
+                    den = den + w
+                    for j in cutlass.range_constexpr(K):
+                        acc[j] = acc[j] + w * mOPartial[prow + s * split_stride, lane + 32 * j]
+                inv = cutlass.Float32(0.0)
+                if den > 0.0:
+                    inv = cutlass.Float32(1.0) / den
+                for j in cutlass.range_constexpr(K):
+                    mO[tok_base + t, h * group_size + g, lane + 32 * j] = (
+                        acc[j] * inv).to(self.dtype)
+            gi = gi + gdim
+            ntok = cutlass.Int32(0)
+            if gi < cap:
+                ntok = mCombine[gi, C_NTOK]

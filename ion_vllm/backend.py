@@ -67,6 +67,12 @@ UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
 #: with unpacked prefill tiles, and not under fused writeback, batch invariance or a FULL
 #: CUDA-graph mode for mixed batches (where the captured variant could differ at replay).
 PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
+#: opt-in: ``ION_ROW_COMBINE=1`` merges split-KV partials with the row-parallel combine
+#: kernel (``cute_kernels.combine_sm90.CombineRowsSm90``).  Off until the H200 validates it:
+#: the default combine walks a group's rows and splits one dependent load at a time, which
+#: is the likely cause of decode 8x32768 running 15 us slower than 32x8192 (same attention
+#: items, 8 splits per row instead of 2; bench/notes.md).
+ROW_COMBINE_ENV = "ION_ROW_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -135,6 +141,10 @@ def fused_kv_writeback() -> bool:
 
 def unpacked_prefill() -> bool:
     return _switch(UNPACKED_PREFILL_ENV, "unpacked prefill tiles", default="1")
+
+
+def row_combine() -> bool:
+    return _switch(ROW_COMBINE_ENV, "row-parallel split-KV combine")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -221,6 +231,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                             and not mixed_batches_run_full_graphs(vllm_config))
         logger.info_once("ION: q tiles of %s rows", "64 or 128 (per step)" if self.tile_m_auto
                          else "64")
+        #: row-parallel split-KV combine kernel (opt-in)
+        self.row_combine = row_combine()
+        if self.row_combine:
+            logger.info_once("ION: row-parallel split-KV combine (%s=1)", ROW_COMBINE_ENV)
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
@@ -271,7 +285,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                                partial_rows_capacity=self.partial_rows,
                                num_ctas=self.num_ctas, head_dim=self.head_size,
                                device=self.device, always_combine=self.allow_split,
-                               unpacked=self.unpacked)
+                               unpacked=self.unpacked, row_combine=self.row_combine)
         #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
         self.plan128 = None
         self.num_ctas128 = sms * ctas_per_sm_for(2)
@@ -289,7 +303,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                     tile_m=2 * Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1,
                 partial_rows_capacity=self.partial_rows_128, num_ctas=self.num_ctas128,
                 head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
-                unpacked=True, tile_m=2 * Q_TILE_ROWS)
+                unpacked=True, tile_m=2 * Q_TILE_ROWS, row_combine=self.row_combine)
         if self.device.type == "cuda":
             # compile + load every kernel now: vLLM's profiling run has no attention metadata,
             # so the first real launch could otherwise land inside CUDA-graph capture
@@ -297,7 +311,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
-                       unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1)
+                       unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
+                       row_combine=self.row_combine)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

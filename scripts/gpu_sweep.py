@@ -262,7 +262,7 @@ FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_l
 
 
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
-              unpacked: bool = False, tile_m: int = 64):
+              unpacked: bool = False, tile_m: int = 64, row_combine: bool = False):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     from cute_kernels.attention import make_device_plan
@@ -272,7 +272,7 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
     return make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=case.hkv, group_size=case.g,
                             page_size=PAGE, head_dim=case.d, device=device,
                             fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m,
-                            cost_model=cm)
+                            cost_model=cm, row_combine=row_combine)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -299,7 +299,7 @@ def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
 
 def run_case(case: SweepCase, device, tol: float, fault: str = "none",
              impl=None, path: str = "append", force_split: bool = False,
-             unpacked: bool = False, tile_m: int = 64) -> Dict:
+             unpacked: bool = False, tile_m: int = 64, row_combine: bool = False) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -329,7 +329,7 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         reference_kv_append(key, value, ref_k, ref_v, slots)
         fused = path == "fused"
         plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
-                         unpacked=unpacked, tile_m=tile_m)
+                         unpacked=unpacked, tile_m=tile_m, row_combine=row_combine)
         res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
@@ -469,6 +469,8 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds; start no new case after this (0: no limit). The summary "
                          "then covers the cases run and records how many were planned")
+    ap.add_argument("--row-combine", action="store_true",
+                    help="merge split-KV partials with the row-parallel combine kernel")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
@@ -505,7 +507,8 @@ def main(argv=None) -> int:
             fs = args.force_split_every > 0 and c.index % args.force_split_every == (
                 args.force_split_every - 1)
             r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
-                         unpacked=args.unpacked_prefill, tile_m=args.tile_m)
+                         unpacked=args.unpacked_prefill, tile_m=args.tile_m,
+                         row_combine=args.row_combine)
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -519,6 +522,7 @@ def main(argv=None) -> int:
     summary = summarize(cases[:len(results)], results, args.tol)
     summary.update(cases_planned=len(cases), seed=args.seed, fault=args.fault, path=args.path,
                    unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
+                   row_combine=args.row_combine,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),

@@ -4,7 +4,8 @@
 #      prefill tiles, two consumer warpgroups, kv_append);
 #   2. the randomized sweep against the fp32 reference, --cases N per path (default 500),
 #      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked,
-#      and 128-row tiles on two consumer warpgroups (with unpacked prefill);
+#      128-row tiles on two consumer warpgroups (with unpacked prefill), and the row-parallel
+#      split-KV combine (every 2nd case forced to split);
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
@@ -45,7 +46,8 @@ budget=$(( step_s > 120 ? step_s - 60 : step_s / 2 ))
 checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
      tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
-     tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py"
+     tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
+     tests/test_row_combine_gpu.py"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"
@@ -53,6 +55,8 @@ checks=(
      --out $out/sweep-unpacked"
   "sweep-m128 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --tile-m 128
      --unpacked-prefill --out $out/sweep-m128"
+  "sweep-rowcomb python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --row-combine --force-split-every 2 --out $out/sweep-rowcomb"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -70,10 +74,11 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; then
   step bench-anchors "$bench_s" python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KVAL_BACKENDS:-ion,ion-unpacked,ion-m128,ion-m128-unpacked,fa3}" \
+    --backends "${KVAL_BACKENDS:-ion,ion-auto,ion-auto-rc,ion-unpacked,ion-m128-unpacked,fa3}" \
     --out "$out/bench"
 fi
-for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 bench-anchors; do
+for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
+    bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -82,7 +87,7 @@ import json, os, sys
 out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
-for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128"):
+for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -71,6 +71,7 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     # the backend's defaults since 2026-11-29: unpacked prefill tiles, 128-row tiles per step
     "ION+packed": {"ION_UNPACKED_PREFILL": "0", "ION_PREFILL_TILE_M": "64"},  # before that
     "ION+m64": {"ION_PREFILL_TILE_M": "64"},
+    "ION+rowcomb": {"ION_ROW_COMBINE": "1"},
     "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
     "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
     "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},

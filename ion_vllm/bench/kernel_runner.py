@@ -28,8 +28,8 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-auto", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3", "fa4",
-            "triton")
+BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
+            "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
@@ -311,7 +311,13 @@ def prepare_ion_auto(case: Case, rot: int, device, shared: dict) -> Prepared:
     return prepare_ion(case, rot, device, shared, **auto_plan_options(case))
 
 
-PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto,
+def prepare_ion_auto_rc(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with split-KV partials merged by the row-parallel combine kernel
+    (``CombineRowsSm90``; the backend's ``ION_ROW_COMBINE=1``)."""
+    return prepare_ion(case, rot, device, shared, row_combine=True, **auto_plan_options(case))
+
+
+PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
