@@ -53,7 +53,9 @@ Q_TILE_ROWS = 64
 
 #: opt-in: ``ION_FUSED_KV_WRITEBACK=1`` writes the step's K/V inside the attention launch
 #: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
-#: separate ``kv_append`` launch.  Off by default until the H200 sweep validates it.
+#: separate ``kv_append`` launch.  Validated on the H200 (500/500 sweep cases, GPU tests);
+#: off by default until an end-to-end A/B (``ion-bench e2e --backends ION,ION+fused``) shows
+#: the predicted 1-2% on decode steps.
 FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
 #: ``ION_UNPACKED_PREFILL`` (default 1): long prefill rows of padded GQA groups are tiled
 #: one q head x 64 tokens (planner ``unpacked_prefill``, docs/contract.md).  On by default
