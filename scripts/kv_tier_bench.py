@@ -208,7 +208,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--attention-backend", default="ION")
-    ap.add_argument("--configs", default="none,native,ion")
+    ap.add_argument("--configs", default="ion,native,none",
+                    help="run order; results are written after each, so a run cut short "
+                         "by a time limit keeps the first ones")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
                     help="when sizing the HBM pool: reuse set / HBM pool")
