@@ -38,9 +38,10 @@ the K and V tiles from shared memory into the cache: page ``pos // P`` at row of
 ``pos % P`` (``pos = ctx + k*P``; tile rows past the page are clipped by the TMA bounds).
 When valid rows reach into the next page, the producer warp copies those rows (tile rows
 ``P - pos % P ..``) into rows ``0 ..`` of that page with plain stores: a TMA store there would
-need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``;
-only prefill chunks whose context is not page-aligned straddle, decode tiles never do).  Before a stage
-is refilled the producer waits for the store that read it (``cp.async.bulk.wait_group.read``)
+need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``).
+Only prefill chunks whose context is not page-aligned straddle; decode tiles never do.
+Before a stage is refilled the producer waits for the store that read it
+(``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
 region from the cache, so there is no cross-CTA ordering.
 
