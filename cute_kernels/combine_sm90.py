@@ -77,7 +77,7 @@ class CombineSm90:
                     mO[tok_base + t, h * group_size + g, col] = res.to(self.dtype)
 
 
-class CombineRowsSm90:
+class CombineRowsSm90(CombineSm90):
     """Row-parallel variant of :class:`CombineSm90` (same arguments, same result).
 
     ``CombineSm90`` gives a group to a CTA and walks its rows one after another, and each row
@@ -90,20 +90,7 @@ class CombineRowsSm90:
     rest), instead of striding over the whole group buffer.
     """
 
-    warps = 4
-
-    def __init__(self, dtype, head_dim: int, group_pad: int):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.group_pad = group_pad
-        self.threads = 32 * self.warps
-
-    @cute.jit
-    def __call__(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
-                 mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32,
-                 num_ctas: cutlass.Int32, stream):
-        self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, group_size).launch(
-            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+    # the launch (__call__, 128 threads) is CombineSm90's; only the kernel body differs
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
@@ -111,6 +98,7 @@ class CombineRowsSm90:
         D = self.head_dim
         Gp = self.group_pad
         K = D // 32  # columns per lane: lane + 32 * j
+        warps = self.threads // 32  # one row per warp
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -130,7 +118,7 @@ class CombineRowsSm90:
             tok_base = mQSL[b] + mCombine[gi, C_TOK0]
             split_stride = ntok * Gp
             n_rows = ntok * group_size
-            for r in cutlass.range(warp, n_rows, self.warps, unroll=1):
+            for r in cutlass.range(warp, n_rows, warps, unroll=1):
                 t = r // group_size
                 g = r - t * group_size
                 prow = base + t * Gp + g
