@@ -261,51 +261,22 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         # seq_lens_cpu_upper_bound may run ahead by the speculative tokens
         self.max_seq_len_bound = model_config.max_model_len + num_spec
 
-        from cute_kernels.attention import DevicePlan, ctas_per_sm_for
+        from cute_kernels.attention import ctas_per_sm_for
 
         if self.device.type == "cuda":
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             sms = _HOPPER_SMS_DEFAULT
         self.num_ctas = sms * ctas_per_sm_for(1)
-
-        planner = _planner()
-        self.item_capacity = max(1, planner.worst_case_items(
-            self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
-            self.num_kv_heads, self.group_size, page_size=self.page_size,
-            tile_m=Q_TILE_ROWS, max_splits=self.max_splits if self.allow_split else 1,
-            fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked))
-        # split groups are (request, head, q tile) tiles: bounded by the unsplit item count
-        self.group_capacity = max(1, planner.worst_case_items(
-            self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
-            self.num_kv_heads, self.group_size, page_size=self.page_size,
-            tile_m=Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1
         self.partial_rows = self.partial_rows_per_cta * self.num_ctas if self.allow_split else 0
-        self.partial_rows_128 = self.partial_rows if self.allow_split else 0
-        self.plan = DevicePlan(item_capacity=self.item_capacity,
-                               group_capacity=self.group_capacity,
-                               partial_rows_capacity=self.partial_rows,
-                               num_ctas=self.num_ctas, head_dim=self.head_size,
-                               device=self.device, always_combine=self.allow_split,
-                               unpacked=self.unpacked, row_combine=self.row_combine)
+        self.plan = self._device_plan(Q_TILE_ROWS, self.num_ctas)
+        self.item_capacity = self.plan.item_capacity
+        self.group_capacity = self.plan.group_capacity
         #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
         self.plan128 = None
         self.num_ctas128 = sms * ctas_per_sm_for(2)
         if self.tile_m_auto:
-            self.plan128 = DevicePlan(
-                item_capacity=max(1, planner.worst_case_items(
-                    self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
-                    self.num_kv_heads, self.group_size, page_size=self.page_size,
-                    tile_m=2 * Q_TILE_ROWS,
-                    max_splits=self.max_splits if self.allow_split else 1,
-                    unpacked_prefill=True)),
-                group_capacity=max(1, planner.worst_case_items(
-                    self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
-                    self.num_kv_heads, self.group_size, page_size=self.page_size,
-                    tile_m=2 * Q_TILE_ROWS, max_splits=1)) if self.allow_split else 1,
-                partial_rows_capacity=self.partial_rows_128, num_ctas=self.num_ctas128,
-                head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
-                unpacked=True, tile_m=2 * Q_TILE_ROWS, row_combine=self.row_combine)
+            self.plan128 = self._device_plan(2 * Q_TILE_ROWS, self.num_ctas128)
         if self.device.type == "cuda":
             # compile + load every kernel now: vLLM's profiling run has no attention metadata,
             # so the first real launch could otherwise land inside CUDA-graph capture
@@ -315,6 +286,26 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
                        unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
                        row_combine=self.row_combine)
+
+    def _device_plan(self, tile_m: int, num_ctas: int):
+        """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
+        sized at the planner's worst case; split groups are (request, head, q tile) tiles,
+        so the unsplit item count bounds them."""
+        from cute_kernels.attention import DevicePlan
+
+        def bound(max_splits: int, **options) -> int:
+            return max(1, _planner().worst_case_items(
+                self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+                self.num_kv_heads, self.group_size, page_size=self.page_size,
+                tile_m=tile_m, max_splits=max_splits, **options))
+
+        return DevicePlan(
+            item_capacity=bound(self.max_splits if self.allow_split else 1,
+                                fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked),
+            group_capacity=bound(1) if self.allow_split else 1,
+            partial_rows_capacity=self.partial_rows, num_ctas=num_ctas,
+            head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
+            unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -336,7 +327,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             page_size=self.page_size,
             num_ctas=self.num_ctas128 if m128 else self.num_ctas, tile_m=tile_m,
             allow_split=self.allow_split, max_splits=self.max_splits,
-            max_partial_rows=self.partial_rows_128 if m128 else self.partial_rows,
+            max_partial_rows=self.partial_rows,
             fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked)
 
     @staticmethod
