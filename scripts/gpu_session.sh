@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device lease's worth of GPU evidence, run as a single background chain so that it can
+# outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
+# Steps, in order (each with its own time limit; a failed step does not stop the chain):
+#   kbench  kernel A/B on the anchor suite: ion-auto, ion-auto-rc, fa3 (alone on the GPU)
+#   kval    row-combine GPU tests + 500-case sweep (CPU-compile bound, ~90 s); it runs while
+#           the e2e servers start up (~160 s): steps.txt and e2e.log's timestamps show whether
+#           it ended before the first e2e bench run
+#   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
+#           2 repeats, interleaved A/B
+#   kvtier  scripts/kv_tier_bench.py (ion, native, none)
+# Environment: SESSION_STEPS (subset, space-separated), E2E_BUDGET_S, KVTIER_S, MODEL.
+#   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
+# Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
+model=${MODEL:-/tmp/ion-demo}
+steps=${SESSION_STEPS:-kbench kval e2e kvtier}
+mkdir -p "$out"
+: > "$out/steps.txt"
+
+want() { [[ " $steps " == *" $1 "* ]]; }
+mark() { printf '%s %-8s %s\n' "$(date -u +%H:%M:%S)" "$1" "$2" >> "$out/steps.txt"; }
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  mark "$name" "start: $*"
+  # every log line gets a UTC time stamp, so that overlaps between steps can be checked
+  timeout "$secs" "$@" 2>&1 | while IFS= read -r l; do printf '%s %s\n' "$(date -u +%T)" "$l"; done \
+    > "$out/$name.log"
+  mark "$name" "rc=${PIPESTATUS[0]}"
+}
+
+if want kbench; then
+  step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
+    --backends ion-auto,ion-auto-rc,fa3 --out "$out/kbench"
+fi
+kval_pid=
+if want kval; then
+  KVAL_PARALLEL=1 KVAL_STEP_S=300 KVAL_STEPS="pytest-gpu sweep-rowcomb" \
+    step kval 330 scripts/kernel_validation.sh "$out/kval" 500 &
+  kval_pid=$!
+fi
+if want e2e; then
+  step e2e "$(( ${E2E_BUDGET_S:-900} + 240 ))" python3 -m ion_vllm.bench.cli e2e --serve \
+    --colocate --workload seed,skewed,decode-heavy,shared-prefix,long \
+    --backends ION,FLASH_ATTN --repeats 2 --kv-cache-gib 30 \
+    --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
+fi
+[ -n "$kval_pid" ] && wait "$kval_pid"
+if want kvtier; then
+  step kvtier "${KVTIER_S:-500}" python3 scripts/kv_tier_bench.py "$model" --out "$out/kvtier"
+fi
+mark all done
