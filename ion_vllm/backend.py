@@ -69,11 +69,13 @@ UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
 #: with unpacked prefill tiles, and not under fused writeback, batch invariance or a FULL
 #: CUDA-graph mode for mixed batches (where the captured variant could differ at replay).
 PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
-#: opt-in: ``ION_ROW_COMBINE=1`` merges split-KV partials with the row-parallel combine
-#: kernel (``cute_kernels.combine_sm90.CombineRowsSm90``).  Off until the H200 validates it:
-#: the default combine walks a group's rows and splits one dependent load at a time, which
-#: is the likely cause of decode 8x32768 running 15 us slower than 32x8192 (same attention
-#: items, 8 splits per row instead of 2; bench/notes.md).
+#: ``ION_ROW_COMBINE`` (default 1): split-KV partials are merged by the row-parallel combine
+#: kernel (``cute_kernels.combine_sm90.CombineRowsSm90``, one row per warp) instead of the
+#: group-per-CTA combine, which walks a group's rows and splits one dependent load at a time.
+#: On by default since the H200 run of 2026-11-29 (fourth session): 500/500 sweep cases with
+#: splits on every 2nd case, and in one A/B decode 32x8192 143.5 -> 132.8 us, 8x32768
+#: 152.6 -> 142.1, skewed 180.0 -> 164.5, 128x2048 129.3 -> 132.3 (bench/notes.md, v6
+#: measured); 0 restores the group combine.
 ROW_COMBINE_ENV = "ION_ROW_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
@@ -146,7 +148,7 @@ def unpacked_prefill() -> bool:
 
 
 def row_combine() -> bool:
-    return _switch(ROW_COMBINE_ENV, "row-parallel split-KV combine")
+    return _switch(ROW_COMBINE_ENV, "row-parallel split-KV combine", default="1")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -233,10 +235,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                             and not mixed_batches_run_full_graphs(vllm_config))
         logger.info_once("ION: q tiles of %s rows", "64 or 128 (per step)" if self.tile_m_auto
                          else "64")
-        #: row-parallel split-KV combine kernel (opt-in)
+        #: row-parallel split-KV combine kernel (default; 0: the group combine)
         self.row_combine = row_combine()
-        if self.row_combine:
-            logger.info_once("ION: row-parallel split-KV combine (%s=1)", ROW_COMBINE_ENV)
+        if not self.row_combine:
+            logger.info_once("ION: group split-KV combine (%s=0)", ROW_COMBINE_ENV)
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(
                 f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "

@@ -525,19 +525,27 @@ def test_prefill_tile_m_stays_64_when_mixed_batches_run_full_graphs(cpu_platform
 
 
 def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
-    """ION_ROW_COMBINE=1 (opt-in) gives both of the builder's device plans the row-parallel
-    combine; unset, the default combine; any other value is refused."""
+    """The row-parallel combine is the default (unset or ION_ROW_COMBINE=1) for both of the
+    builder's device plans; ION_ROW_COMBINE=0 gives the group combine; any other value is
+    refused."""
     import ion_vllm.backend as backend_mod
 
     cfg = _gqa7_config(tmp_path)
-    monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
+    for env in (None, "1"):
+        if env is None:
+            monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(backend_mod.ROW_COMBINE_ENV, env)
+        b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+        assert b.row_combine and b.plan.row_combine
+        assert b.plan128 is None or b.plan128.row_combine
+        assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.row_combine
+    monkeypatch.setenv(backend_mod.ROW_COMBINE_ENV, "0")
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     assert not b.row_combine and not b.plan.row_combine
-    monkeypatch.setenv(backend_mod.ROW_COMBINE_ENV, "1")
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert b.plan.row_combine and (b.plan128 is None or b.plan128.row_combine)
-    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
-    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.row_combine
+    assert b.plan128 is None or not b.plan128.row_combine
+    assert not b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.row_combine
     monkeypatch.setenv(backend_mod.ROW_COMBINE_ENV, "maybe")
     with pytest.raises(ValueError, match="ION_ROW_COMBINE"):
         backend_mod.row_combine()

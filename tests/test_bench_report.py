@@ -138,3 +138,22 @@ def test_plot_none_without_baseline(tmp_path):
                                       "status": "ok", "median_us": 1.0}]}
     assert report.render_plot(s, tmp_path / "p.png") is None
     assert "| x |" in report.render_table(s)
+
+
+def test_table_one_speedup_column_per_ion_variant_and_serve_header():
+    """A run of several ION variants (ion-auto, ion-auto-rc) gets one FA3 speed-up column
+    each (not a blank ION/FA3); serve-mode workloads name the serve tools in the heading."""
+    rec = lambda b, us: {"suite": "kernel", "case": "c", "backend": b, "status": "ok",
+                         "median_us": us}
+    s = {"ceilings": {}, "records": [rec("ion-auto", 150.0), rec("ion-auto-rc", 120.0),
+                                     rec("fa3", 132.0)]}
+    t = report.render_table(s)
+    head = next(line for line in t.splitlines() if line.startswith("| case |"))
+    assert "| ion-auto/FA3 | ion-auto-rc/FA3 |" in head
+    row = next(line for line in t.splitlines() if line.startswith("| c |"))
+    assert row.rstrip().endswith(f"| {132 / 150:.2f}x | {132 / 120:.2f}x |")
+    assert "`vllm bench throughput`" in report.render_table(FIXTURE)
+    serve = [dict(r, case="seed-serve") for r in FIXTURE["records"] if r["suite"] == "e2e"]
+    t2 = report.render_table({"ceilings": {}, "records": serve})
+    assert "`vllm bench serve` against `vllm serve`" in t2
+    assert "`vllm bench throughput`" not in t2

@@ -198,5 +198,14 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
     for case in (prefill, mixed):
         kr.PREPARE["ion-auto"](case, 0, "cpu", {})
-    assert seen == [{"unpacked_prefill": True, "tile_m": 128},
-                    {"unpacked_prefill": True, "tile_m": 64}]
+    assert seen == [{"unpacked_prefill": True, "tile_m": 128, "row_combine": True},
+                    {"unpacked_prefill": True, "tile_m": 64, "row_combine": True}]
+    # the combine ion-auto plans is the backend's default one (ION_ROW_COMBINE unset)
+    import ion_vllm.backend as backend_mod
+    monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
+    assert backend_mod.row_combine() is True
+    seen.clear()
+    kr.PREPARE["ion-auto-rc"](mixed, 0, "cpu", {})
+    kr.PREPARE["ion-auto-gc"](mixed, 0, "cpu", {})
+    assert [o["row_combine"] for o in seen] == [True, False]
+    assert all(o["tile_m"] == 64 and o["unpacked_prefill"] for o in seen)

@@ -80,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--case", action="append", default=[],
                    help="case name (repeatable; comma-separated allowed); see --list")
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
-                   help="comma-separated subset of ion,ion-auto,ion-auto-rc,ion-unpacked,"
-                        "ion-m128,ion-m128-unpacked,fa3,fa4,triton (ion: packed 64-row tiles; "
-                        "ion-auto: what the vLLM backend runs by default; -rc: row-parallel "
-                        "split-KV combine; ion-unpacked: unpacked prefill tiles; ion-m128: "
-                        "128-row tiles on two consumer warpgroups)")
+                   help="comma-separated subset of ion,ion-auto,ion-auto-rc,ion-auto-gc,"
+                        "ion-unpacked,ion-m128,ion-m128-unpacked,fa3,fa4,triton (ion: packed "
+                        "64-row tiles; ion-auto: what the vLLM backend runs by default; -rc: "
+                        "the row-parallel split-KV combine, part of the default; -gc: the "
+                        "group combine instead; ion-unpacked: unpacked prefill tiles; "
+                        "ion-m128: 128-row tiles on two consumer warpgroups)")
     k.add_argument("--out", help="results dir (default bench/results/<date>-<gpu>)")
     k.add_argument("--iters", type=int, default=60, help="timed iterations per case/backend")
     k.add_argument("--warmup", type=int, default=10)

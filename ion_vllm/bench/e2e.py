@@ -68,10 +68,12 @@ BACKENDS = ("ION", "FLASH_ATTN")
 #: ION variants for the A/B: a label, run as ``--attention-backend ION`` with the backend's
 #: opt-in switches set in the environment (ion_vllm/backend.py)
 ION_VARIANTS: dict[str, dict[str, str]] = {
-    # the backend's defaults since 2026-11-29: unpacked prefill tiles, 128-row tiles per step
+    # the backend's defaults since 2026-11-29: unpacked prefill tiles, 128-row tiles per step,
+    # row-parallel combine (ION+groupcomb: the combine before the fourth session)
     "ION+packed": {"ION_UNPACKED_PREFILL": "0", "ION_PREFILL_TILE_M": "64"},  # before that
     "ION+m64": {"ION_PREFILL_TILE_M": "64"},
     "ION+rowcomb": {"ION_ROW_COMBINE": "1"},
+    "ION+groupcomb": {"ION_ROW_COMBINE": "0"},
     "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
     "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
     "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},

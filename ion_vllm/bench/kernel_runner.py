@@ -28,7 +28,7 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
+BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
             "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -303,21 +303,32 @@ def auto_plan_options(case: Case) -> dict:
     tile_m = choose_tile_m(np.asarray(case.query_start_loc(), dtype=np.int32),
                            np.asarray(case.kv_lens, dtype=np.int32), num_q_heads=case.hq,
                            num_kv_heads=case.hkv, head_dim=case.d)
-    return {"unpacked_prefill": True, "tile_m": tile_m}
+    return {"unpacked_prefill": True, "tile_m": tile_m, "row_combine": True}
 
 
 def prepare_ion_auto(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """ION as the vLLM backend runs it by default (``auto_plan_options``)."""
+    """ION as the vLLM backend runs it by default (``auto_plan_options``; since the fourth
+    session's H200 run that includes the row-parallel combine).  Results recorded before
+    that change (2026-11-29, ``session4/kernel-ab`` and earlier) measured ``ion-auto``
+    with the group combine, i.e. today's ``ion-auto-gc``."""
     return prepare_ion(case, rot, device, shared, **auto_plan_options(case))
 
 
 def prepare_ion_auto_rc(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto`` with split-KV partials merged by the row-parallel combine kernel
-    (``CombineRowsSm90``; the backend's ``ION_ROW_COMBINE=1``)."""
-    return prepare_ion(case, rot, device, shared, row_combine=True, **auto_plan_options(case))
+    """``ion-auto`` with the row-parallel combine said explicitly (``CombineRowsSm90``; the
+    backend's ``ION_ROW_COMBINE=1``, now its default: the same path as ``ion-auto``)."""
+    return prepare_ion(case, rot, device, shared, **auto_plan_options(case))
+
+
+def prepare_ion_auto_gc(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with the group-per-CTA combine (``CombineSm90``; the backend's
+    ``ION_ROW_COMBINE=0``, its default before the fourth session)."""
+    return prepare_ion(case, rot, device, shared, **dict(auto_plan_options(case),
+                                                         row_combine=False))
 
 
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
+           "ion-auto-gc": prepare_ion_auto_gc,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,

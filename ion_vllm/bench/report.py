@@ -20,9 +20,9 @@ import re
 import statistics
 from pathlib import Path
 
-KERNEL_ORDER = ("ion", "ion-auto", "ion-auto-rc", "ion-unpacked", "ion-m128",
+KERNEL_ORDER = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-unpacked", "ion-m128",
                 "ion-m128-unpacked", "fa3", "fa4", "triton")
-E2E_ORDER = ("ION", "ION+packed", "ION+m64", "ION+rowcomb", "ION+unpacked", "ION+fused",
+E2E_ORDER = ("ION", "ION+packed", "ION+m64", "ION+rowcomb", "ION+groupcomb", "ION+unpacked", "ION+fused",
              "ION+fused+unpacked", "FLASH_ATTN")
 KERNEL_BASELINE = "fa3"
 E2E_BASELINE = "FLASH_ATTN"
@@ -218,12 +218,16 @@ def _kernel_table(recs: list[dict]) -> list[str]:
     cases = list(dict.fromkeys(r["case"] for r in recs))
     backends = _order([r["backend"] for r in recs], KERNEL_ORDER)
     by = {(r["case"], r["backend"]): r for r in recs}
-    head = ["case"] + [f"{b} µs (frac)" for b in backends] + ["ION/FA3"]
+    # one speed-up column per ION variant in the run (ion, ion-auto, ...), FA3 µs / its µs
+    ions = [b for b in backends if b.startswith(ION_KERNEL)] or [ION_KERNEL]
+    head = (["case"] + [f"{b} µs (frac)" for b in backends]
+            + [f"{b}/FA3" if len(ions) > 1 else "ION/FA3" for b in ions])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
         row = [c] + [_kernel_cell(by.get((c, b))) for b in backends]
-        sp = kernel_speedup(by.get((c, ION_KERNEL)), by.get((c, KERNEL_BASELINE)))
-        row.append("–" if sp is None else f"{sp:.2f}x")
+        for b in ions:
+            sp = kernel_speedup(by.get((c, b)), by.get((c, KERNEL_BASELINE)))
+            row.append("–" if sp is None else f"{sp:.2f}x")
         lines.append("| " + " | ".join(row) + " |")
     errs = [r for r in recs if not _ok(r) and r.get("error")]
     if errs:
@@ -320,7 +324,13 @@ def render_table(summary: dict) -> str:
                   "ION/FA3 = FA3 µs / ION µs)", ""]
         lines += _kernel_table(krecs) + [""]
     if erecs:
-        lines += ["## End to end (`vllm bench throughput`; mean (min–max) over repeats; "
+        # serve-mode cases are named "<workload>-serve" (e2e.run_serve*)
+        serve = any(str(r.get("case", "")).endswith("-serve") for r in erecs)
+        thr = any(not str(r.get("case", "")).endswith("-serve") for r in erecs)
+        tools = " and ".join(t for t, on in (("`vllm bench throughput`", thr),
+                                              ("`vllm bench serve` against `vllm serve`", serve))
+                             if on)
+        lines += [f"## End to end ({tools}; mean (min–max) over repeats; "
                   "ratio = ION mean / FLASH_ATTN mean (spread of per-repeat ratios))", ""]
         lines += _e2e_table(erecs) + [""]
     if not krecs and not erecs:
