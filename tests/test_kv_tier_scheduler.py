@@ -417,3 +417,77 @@ def test_preemption_storm_with_shared_prefixes_keeps_every_block(vllm_cpu, store
     preempted = {r.request_id for r in reqs if r.num_preemptions}
     assert any(rid in preempted and (ext or 0) > 0 for rid, _, ext in eng.matched)
     eng.mgr.check_invariants()
+
+
+@pytest.mark.parametrize("window", ["default", "four-rings"])
+def test_writeback_window_holds_several_steps_of_new_blocks(vllm_cpu, window):
+    """(6) The writeback window is counted on the scheduler side, where a store completes
+    `store_lag` steps after it was prepared.  A window of 4 staging rings (the default
+    before 2026-11-29's H200 reuse benchmark, which dropped 47% of its blocks) holds less
+    than the blocks that chunked prefill fills in that time: blocks are dropped, the
+    scheduler never offers them again, and the conversations' follow-up turns find their
+    host prefix cut at the first dropped block.  The default window holds several steps:
+    nothing is dropped and every follow-up loads every full block of its previous turn."""
+    ring_mib = 1 / 16  # 4 blocks of 16 KiB
+    extra = {"ring_mib": ring_mib}
+    if window == "four-rings":
+        extra["max_inflight_mib"] = 4 * ring_mib
+    # 256 tokens per step = 16 new full blocks per step, completed 2 steps later
+    eng = Engine(vllm_cpu, gpu_blocks=64, host_blocks=4096, store_lag=2, max_num_seqs=4,
+                 max_batched=256, extra=extra)
+    assert eng.block_bytes == 16 << 10
+    turn1 = [eng.add(f"t1-{i}", _prompt(10 + i, 8 * BS), max_tokens=BS) for i in range(4)]
+    eng.run_to_completion(*turn1)
+    turn2 = [eng.add(f"t2-{i}", list(r.all_token_ids) + _prompt(20 + i, BS), max_tokens=2)
+             for i, r in enumerate(turn1)]
+    eng.run_to_completion(*turn2)
+    hits = {}
+    for rid, _, ext in eng.matched:
+        if rid.startswith("t2-") and ext is not None:
+            hits[rid] = ext
+    # turn 1 holds 8 * BS prompt + BS generated tokens, but the KV of the last generated
+    # token is never computed: 8 full blocks can be stored, the 9th is refused
+    full = 8 * BS
+    dropped = eng.mgr.counters.store_dropped_blocks
+    if window == "default":
+        assert eng.mgr.max_inflight_blocks >= 3 * 16
+        assert dropped == 0
+        assert hits == {f"t2-{i}": full for i in range(4)}
+    else:
+        assert eng.mgr.max_inflight_blocks == 16
+        assert dropped > 0
+        assert sum(hits.values()) < 4 * full
+    eng.mgr.check_invariants()
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["ion", "without-finish-guard"])
+def test_block_completed_by_the_final_token_is_not_stored(vllm_cpu, guard, monkeypatch):
+    """(7) A request whose final sampled token completes a block: vLLM 0.26's offloading
+    scheduler offers that block for store after the request finished, counting the final
+    token as computed, but that token's KV was never computed.  The Ion manager refuses
+    stores after on_request_finished (vLLM's documented contract), so the follow-up turn
+    matches only the blocks that were computed and recomputes the last one.  Without that
+    guard the follow-up loads the block and reads an uncomputed slot: the harness's
+    per-position check fails."""
+    from ion_vllm.kv_tier.manager import IonKVTierManager
+
+    if not guard:
+        monkeypatch.setattr(IonKVTierManager, "_is_finished", lambda self, rid: False)
+    eng = Engine(vllm_cpu, gpu_blocks=64, host_blocks=256, max_num_seqs=2)
+    a = eng.add("a", _prompt(31, 3 * BS + 5), max_tokens=BS - 5)  # 4 * BS tokens in all
+    eng.run_to_completion(a)
+    assert a.num_tokens == 4 * BS
+    for _ in range(3):  # idle steps: the post-finish store offer is made and completes
+        eng.step()
+    b = eng.add("b", list(a.all_token_ids) + _prompt(32, 7), max_tokens=2)
+    if not guard:
+        with pytest.raises(AssertionError, match="holds None"):
+            eng.run_to_completion(b)
+        return
+    eng.run_to_completion(b)
+    assert eng.mgr.counters.store_after_finish_blocks == 1
+    stored = sorted(i for _, jid, _ in eng.store_jobs_of("a") for i in eng.job_index[jid])
+    assert stored == [0, 1, 2]
+    assert [m for m in eng.matched if m[0] == "b"] == [("b", 0, 3 * BS)]
+    assert b.num_output_tokens == 2
+    eng.mgr.check_invariants()

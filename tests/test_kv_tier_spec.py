@@ -137,3 +137,27 @@ def test_env_switch(monkeypatch):
     assert seen["cfg"].kv_connector_extra_config["cpu_bytes_to_use"] == 3 << 30
     monkeypatch.setattr(EngineArgs, "create_engine_config", orig)
     assert os.environ[kt.ENV_GB] == "3"
+
+
+def test_default_writeback_window_covers_several_prefill_steps():
+    """The default window: 4 rings at least, else min(4 GiB, a quarter of the worker's host
+    pool).  With the H200 reuse benchmark's setup (Qwen2.5-7B KV: 3,670,016 B per 64-token
+    block, 24 GiB host, 256 MiB ring) it holds more than 4 steps of 16k-token chunked
+    prefill (256 blocks each); the former default (4 rings, 292 blocks) held about one."""
+    from ion_vllm.kv_tier.spec import IonKVTierSpec, default_window_bytes
+
+    blk = 28 * 2 * 64 * 4 * 128 * 2  # layers x (K, V) x tokens x KV heads x d x bf16
+    assert blk == 3_670_016
+    s = IonKVTierSpec(_cfg({"host_gib": 24}, block_bytes=blk))
+    assert s.ring_bytes == 256 << 20
+    assert s.max_inflight_blocks == (4 << 30) // blk > 4 * 256
+    assert (4 * s.ring_bytes) // blk < 2 * 256
+    # small host pools: a quarter of the pool, never below 4 rings
+    assert default_window_bytes(256 << 20, 1 << 30) == 4 * (256 << 20)
+    assert default_window_bytes(16 << 20, 1 << 30) == 256 << 20
+    # per worker: the host budget is shared by the TP ranks
+    s2 = IonKVTierSpec(_cfg({"host_gib": 8, "ring_mib": 16}, block_bytes=1 << 20, world=2))
+    assert s2.max_inflight_blocks == (1 << 30) // (1 << 20)  # 0.25 x 4 GiB per worker
+    # an explicit max_inflight_mib still wins
+    s3 = IonKVTierSpec(_cfg({"host_gib": 24, "max_inflight_mib": 64}, block_bytes=1 << 20))
+    assert s3.max_inflight_blocks == 64

@@ -20,10 +20,20 @@ blocks that become idle together are queued by their store order (``seq``,
 assigned in ``prepare_store``), latest first: the same tail-first order.
 
 Back-off: at most ``max_inflight_blocks`` blocks may be prepared but not yet
-completed (the writeback window, sized from the worker's HBM staging ring).
-Blocks above that are dropped from ``prepare_store`` (counted) instead of
-queueing unbounded work behind the forward pass; the scheduler then simply
-never stores them for this request.
+completed (the writeback window; spec.default_window_bytes).  Blocks above that
+are dropped from ``prepare_store`` (counted) instead of queueing unbounded work
+behind the forward pass; the scheduler then simply never stores them for this
+request.
+
+Finished requests: vLLM's ``OffloadingManager.on_request_finished`` contract says
+no ``prepare_store`` follows it, but vLLM 0.26's OffloadingConnectorScheduler
+offers a finished request's blocks once more on the next step, counting
+``req.num_tokens`` as computed.  The only blocks that call can add are the ones
+that the final sampled token completes (or, after an abort mid-prefill, blocks
+never prefilled), and their last slots hold no computed KV: storing them would
+let a later prefix hit load garbage for those positions.  ``prepare_store``
+therefore refuses every key of a request that finished (counted as
+``store_after_finish_blocks``); the follow-up request recomputes that block.
 """
 
 from __future__ import annotations
@@ -93,6 +103,12 @@ class IonKVTierManager(OffloadingManager):
         self.counters = ManagerCounters()
         self._reported = self.counters.snapshot()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # ids of finished requests, by the scheduler step they finished in: the
+        # scheduler's post-finish prepare_store comes in the step after the finish,
+        # right after on_schedule_end (both in build_connector_meta); keeping the ids of
+        # the last two steps covers it and bounds the memory
+        self._finished_new: set[str] = set()  # since the last on_schedule_end
+        self._finished_prev: set[str] = set()  # in the step before
 
     # ------------------------------------------------------------ helpers
     @property
@@ -135,6 +151,16 @@ class IonKVTierManager(OffloadingManager):
     # ------------------------------------------------------------ interface
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._finished_new.add(req_context.req_id)
+
+    def on_schedule_end(self, context) -> None:
+        self._finished_prev = self._finished_new
+        self._finished_new = set()
+
+    def _is_finished(self, req_id: str) -> bool:
+        return req_id in self._finished_new or req_id in self._finished_prev
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.lookup_blocks += 1
@@ -182,6 +208,12 @@ class IonKVTierManager(OffloadingManager):
             if k not in self._entries and k not in seen:
                 wanted.append(k)
                 seen.add(k)
+
+        # A finished request's last offer: its new blocks end in uncomputed KV (module doc).
+        if wanted and self._is_finished(req_context.req_id):
+            self.counters.store_after_finish_blocks += len(wanted)
+            return PrepareStoreOutput(keys_to_store=[], store_spec=IonHostSpec([]),
+                                      evicted_keys=[])
 
         # Back-off 1: bounded writeback window (keep the prefix of the list).
         room = max(0, self.max_inflight_blocks - self._inflight)
@@ -265,6 +297,7 @@ class IonKVTierManager(OffloadingManager):
             (M.STORED_BLOCKS, "completed_store_blocks"),
             (M.STORE_DROPPED_BLOCKS, "store_dropped_blocks"),
             (M.STORE_NO_SPACE_BLOCKS, "store_no_space_blocks"),
+            (M.STORE_AFTER_FINISH_BLOCKS, "store_after_finish_blocks"),
             (M.EVICTED_BLOCKS, "evicted_blocks"),
         ):
             if d[field_name]:

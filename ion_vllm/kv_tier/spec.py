@@ -10,7 +10,9 @@ Selected with the standard OffloadingConnector:
 kv_connector_extra_config keys:
   cpu_bytes_to_use | host_gib   host pool byte budget (all TP ranks together)
   ring_mib                      HBM staging ring per worker (default 256)
-  max_inflight_mib              writeback window per worker (default 4 x ring)
+  max_inflight_mib              writeback window per worker (default: the larger of
+                                4 x ring and min(4 GiB, a quarter of the worker's
+                                share of the host pool); see default_window_bytes
   offload_prompt_only           default False here: every full block is stored,
                                 decode blocks included
   copier                        "auto" | "batch" | "torch"
@@ -34,7 +36,27 @@ from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metri
 logger = init_logger(__name__)
 
 DEFAULT_RING_MIB = 256
+#: the writeback window (blocks prepared for store whose completion the scheduler has not
+#: seen yet) is at least this many rings ...
 DEFAULT_WINDOW_RINGS = 4
+#: ... and otherwise min(DEFAULT_WINDOW_GIB, DEFAULT_WINDOW_HOST_FRACTION x host pool).
+#: The window is counted on the scheduler side, where a store completes one to two engine
+#: steps after it was prepared, so it has to hold a few steps of new full blocks.  One
+#: chunked-prefill step of 16k tokens fills 256 blocks of 64 tokens (0.9 GiB for a
+#: Qwen2.5-7B-sized KV); 4 x a 256 MiB ring (1 GiB) held barely one such step, and the
+#: H200 reuse benchmark of 2026-11-29 dropped 3,762 of 7,969 blocks (47%) at that window
+#: (bench/results/2026-11-29-h200/session4/kv-tier-bench).  4 GiB is ~80 ms of the
+#: 51 GB/s drain measured there, so a window that size only fills when the drain falls
+#: far behind, which is what it exists to catch.  Host memory only: HBM use stays the ring.
+DEFAULT_WINDOW_GIB = 4.0
+DEFAULT_WINDOW_HOST_FRACTION = 0.25
+
+
+def default_window_bytes(ring_bytes: int, host_bytes_per_worker: int) -> int:
+    """Default writeback window of one worker in bytes (see DEFAULT_WINDOW_GIB)."""
+    return max(DEFAULT_WINDOW_RINGS * ring_bytes,
+               min(int(DEFAULT_WINDOW_GIB * (1 << 30)),
+                   int(DEFAULT_WINDOW_HOST_FRACTION * host_bytes_per_worker)))
 
 
 def host_bytes_from_extra(extra: dict[str, Any]) -> int:
@@ -98,9 +120,10 @@ class IonKVTierSpec(OffloadingSpec):
         self.block_bytes = self.worker_block_bytes * world
         self.num_host_blocks = (self.host_bytes // self.block_bytes
                                 if self.block_bytes > 0 else 0)
-        window_bytes = int(float(extra.get(
-            "max_inflight_mib", DEFAULT_WINDOW_RINGS * self.ring_bytes / (1 << 20)
-        )) * (1 << 20))
+        if extra.get("max_inflight_mib") is not None:
+            window_bytes = int(float(extra["max_inflight_mib"]) * (1 << 20))
+        else:
+            window_bytes = default_window_bytes(self.ring_bytes, self.host_bytes // world)
         self.max_inflight_blocks = (
             max(1, window_bytes // self.worker_block_bytes)
             if self.worker_block_bytes > 0 else 1)

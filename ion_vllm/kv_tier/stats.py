@@ -47,6 +47,7 @@ class M:
     STORED_BLOCKS = PREFIX + "stored_blocks"
     STORE_DROPPED_BLOCKS = PREFIX + "store_dropped_blocks"
     STORE_NO_SPACE_BLOCKS = PREFIX + "store_no_space_blocks"
+    STORE_AFTER_FINISH_BLOCKS = PREFIX + "store_after_finish_blocks"
     EVICTED_BLOCKS = PREFIX + "evicted_blocks"
     HOST_USED_BYTES = PREFIX + "host_used_bytes"
     HOST_USAGE_PERC = PREFIX + "host_usage_perc"
@@ -96,6 +97,11 @@ def metric_definitions() -> dict[str, Any]:
         M.STORE_NO_SPACE_BLOCKS: C(
             documentation="Ion KV tier: blocks not written back because every "
             "host block was pinned by in-flight transfers."
+        ),
+        M.STORE_AFTER_FINISH_BLOCKS: C(
+            documentation="Ion KV tier: blocks refused because vLLM offered them for "
+            "a request that had already finished (they hold the final sampled token, "
+            "whose KV was never computed)."
         ),
         M.EVICTED_BLOCKS: C(documentation="Ion KV tier: host blocks evicted (LRU)."),
         M.HOST_USED_BYTES: G(documentation="Ion KV tier: host bytes holding blocks."),
@@ -159,6 +165,7 @@ class ManagerCounters:
     failed_store_blocks: int = 0
     store_dropped_blocks: int = 0
     store_no_space_blocks: int = 0
+    store_after_finish_blocks: int = 0
     evicted_blocks: int = 0
 
     def snapshot(self) -> "ManagerCounters":
