@@ -9,7 +9,8 @@
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py (ion, native, none)
-# Environment: SESSION_STEPS (subset, space-separated), E2E_BUDGET_S, KVTIER_S, MODEL.
+# Environment: SESSION_STEPS (subset, space-separated), E2E_WORKLOADS (comma-separated, in
+# run order), E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S, MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
 set -uo pipefail
@@ -43,12 +44,13 @@ if want kval; then
 fi
 if want e2e; then
   step e2e "$(( ${E2E_BUDGET_S:-900} + 240 ))" python3 -m ion_vllm.bench.cli e2e --serve \
-    --colocate --workload seed,skewed,decode-heavy,shared-prefix,long \
-    --backends ION,FLASH_ATTN --repeats 2 --kv-cache-gib 30 \
+    --colocate --workload "${E2E_WORKLOADS:-seed,skewed,decode-heavy,shared-prefix,long}" \
+    --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" --repeats 2 --kv-cache-gib 30 \
     --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
 if want kvtier; then
-  step kvtier "${KVTIER_S:-500}" python3 scripts/kv_tier_bench.py "$model" --out "$out/kvtier"
+  step kvtier "${KVTIER_S:-500}" python3 scripts/kv_tier_bench.py "$model" \
+    --configs "${KVTIER_CONFIGS:-ion,native,none}" --out "$out/kvtier"
 fi
 mark all done
