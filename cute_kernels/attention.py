@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .planner import PACKED_WORK_COLS, WORK_COLS
-from .variants import CTAS_PER_SM, Variant, variant_for
+from .variants import CTAS_PER_SM, PAGE_SIZE, Variant, variant_for
 
 _compile_lock = threading.Lock()
 
@@ -95,10 +95,13 @@ def consumers_for_tile_m(tile_m: int) -> int:
     return tile_m // 64
 
 
-def ctas_per_sm_for(consumers: int) -> int:
+def ctas_per_sm_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     """Resident CTAs per SM of the persistent grid: 2 for the default (256-thread) kernels,
-    1 for the 384-thread consumers=2 kernels."""
-    return CTAS_PER_SM if _check_consumers(consumers) == 1 else 1
+    1 for the 384-thread consumers=2 kernels and for 128-token pages (two 128-row K/V
+    stages of K and V take 128 KiB of shared memory, so a second CTA would not fit)."""
+    if _check_consumers(consumers) == 2 or page_size > PAGE_SIZE:
+        return 1
+    return CTAS_PER_SM
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
@@ -111,12 +114,13 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2)
+    ctas = ctas_per_sm_for(1, variant.page_size)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
-                                variant.group_pad, variant.page_size, ctas_per_sm=CTAS_PER_SM,
+                                variant.group_pad, variant.page_size, ctas_per_sm=ctas,
                                 unpacked_prefill=True)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
-                            variant.page_size, ctas_per_sm=CTAS_PER_SM)
+                            variant.page_size, ctas_per_sm=ctas)
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
@@ -243,8 +247,12 @@ class DevicePlan:
 
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
-                 unpacked: bool = False, tile_m: int = 64, row_combine: bool = False):
+                 unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
+                 page_size: int = PAGE_SIZE):
         device = torch.device(device)
+        #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
+        #: cache of another page size (work items are page ranges)
+        self.page_size = int(page_size)
         #: MMA rows of a q tile of the plans this holds: 64 runs the default kernels,
         #: 128 the consumers=2 variants (upload refuses a plan of the other kind)
         self.tile_m = int(tile_m)
@@ -355,7 +363,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     if num_ctas is None:
         dev = torch.device(device)
         sms = num_sms(dev) if dev.type == "cuda" else 132
-        num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m))
+        num_ctas = sms * ctas_per_sm_for(consumers_for_tile_m(tile_m), page_size)
     p = host_plan_fn(np.asarray(query_start_loc_cpu, dtype=np.int32),
                      np.asarray(seq_lens_cpu, dtype=np.int32),
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
@@ -365,7 +373,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
-                    tile_m=tile_m, row_combine=row_combine)
+                    tile_m=tile_m, row_combine=row_combine, page_size=page_size)
     return dp.upload(p)
 
 
@@ -439,7 +447,8 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
 
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
-                  query_start_loc_cpu=None, seq_lens_cpu=None, key=None, value=None):
+                  query_start_loc_cpu=None, seq_lens_cpu=None, key=None, value=None,
+                  experimental_pages: bool = False):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
     ``plan`` is a DevicePlan built once per step; when None it is planned here from host
@@ -452,23 +461,32 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     ``kv_append`` with the block-table slot mapping would write), so no ``kv_append`` runs
     before it.  ``plan`` must then be a ``fresh_kv=True`` plan.  Cache slots of a request's
     last page past ``seq_len`` may receive garbage (docs/contract.md).
+
+    ``experimental_pages=True`` admits the page sizes in ``variants.EXPERIMENTAL_PAGE_SIZES``
+    (128 tokens: 128-row K/V tiles), not yet validated on a GPU; not with key/value.
     """
     T, Hq, Hkv, D, P = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                     block_table, key, value)
     G = Hq // Hkv
     fused = key is not None
+    # refuse a bad page size before planning (the planner would plan it)
+    variant = variant_for(q.dtype, D, G, P, experimental_pages=experimental_pages)
+    if fused and P != PAGE_SIZE:
+        raise ValueError(f"fused KV writeback needs {PAGE_SIZE}-token pages, got {P}")
     if plan is None:
         qsl_h = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.cpu()
         sl_h = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu()
         plan = make_device_plan(qsl_h, sl_h, num_kv_heads=Hkv, group_size=G, page_size=P,
                                 head_dim=D, device=q.device, fresh_kv=fused)
+    plan_page = getattr(plan, "page_size", PAGE_SIZE)
+    if plan_page != P:
+        raise ValueError(f"plan counts {plan_page}-token pages, the cache has {P}-token pages")
     plan_fresh = getattr(plan, "fresh_kv", None)
     if plan_fresh is not None and plan_fresh != fused:
         raise ValueError("plan kind does not match the call: key/value given needs a "
                          "fresh_kv=True plan, a call without them a fresh_kv=False plan")
     if T == 0:
         return out
-    variant = variant_for(q.dtype, D, G, P)
     # a plan made with unpacked_prefill=True may hold unpacked items (work col 8 >= 0):
     # only the unpacked_prefill variant reads col 8 (it runs packed items as the default)
     unpacked = bool(getattr(plan, "unpacked", False))

@@ -12,6 +12,11 @@ SUPPORTED_DTYPES = ("bfloat16", "float16")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_GROUP_PADS = (1, 2, 4, 8)
 PAGE_SIZE = 64
+#: page sizes the kernel compiles for but that have not been validated on a GPU yet; only
+#: ``variant_for(..., experimental_pages=True)`` (``ion_attention(experimental_pages=True)``)
+#: accepts them.  128-token pages give 128-row K/V tiles (one TMA box per stage, QK^T as
+#: m64n128k16 wgmma): the kernel-level experiment behind bench backend ``ion-auto-p128``.
+EXPERIMENTAL_PAGE_SIZES = (128,)
 MAX_GROUP = 8
 # resident CTAs per SM of the persistent grid (registers and smem are sized for two)
 CTAS_PER_SM = 2
@@ -33,13 +38,20 @@ def group_pad_for(group_size: int) -> int:
     return gp
 
 
-def variant_for(torch_dtype, head_dim: int, group_size: int, page_size: int = PAGE_SIZE) -> Variant:
+def variant_for(torch_dtype, head_dim: int, group_size: int, page_size: int = PAGE_SIZE,
+                experimental_pages: bool = False) -> Variant:
     name = str(torch_dtype).replace("torch.", "")
     if name not in SUPPORTED_DTYPES:
         raise TypeError(f"IonAttention supports {SUPPORTED_DTYPES}, got {name}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"IonAttention supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if page_size != PAGE_SIZE:
+    if page_size in EXPERIMENTAL_PAGE_SIZES:
+        if not experimental_pages:
+            raise ValueError(
+                f"IonAttention pages of {page_size} tokens are experimental (not yet "
+                f"validated on a GPU): pass experimental_pages=True, or use {PAGE_SIZE}-token "
+                f"pages")
+    elif page_size != PAGE_SIZE:
         raise ValueError(f"IonAttention pages hold {PAGE_SIZE} tokens, got {page_size}")
     return Variant(name, head_dim, group_pad_for(group_size), page_size)
 

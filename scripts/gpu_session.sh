@@ -2,14 +2,15 @@
 # One device lease's worth of GPU evidence, run as a single background chain so that it can
 # outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
-#   kbench  kernel A/B on the anchor suite: ion-auto, ion-auto-rc, fa3 (alone on the GPU)
-#   kval    row-combine GPU tests + 500-case sweep (CPU-compile bound, ~90 s); it runs while
+#   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
+#           ion-auto-gc (group combine), ion-auto-p128 (128-token pages, an experiment), fa3
+#   kval    the kernel GPU tests + the row-combine 500-case sweep (CPU-compile bound); it runs while
 #           the e2e servers start up (~160 s): steps.txt and e2e.log's timestamps show whether
 #           it ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py (ion, native, none)
-# Environment: SESSION_STEPS (subset, space-separated), E2E_WORKLOADS (comma-separated, in
+# Environment: SESSION_STEPS (subset, space-separated), KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in
 # run order), E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S, MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
@@ -34,7 +35,7 @@ step() {  # step NAME SECONDS CMD...
 
 if want kbench; then
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends ion-auto,ion-auto-rc,fa3 --out "$out/kbench"
+    --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-gc,ion-auto-p128,fa3}" --out "$out/kbench"
 fi
 kval_pid=
 if want kval; then

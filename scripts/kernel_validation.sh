@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Validate every IonAttention kernel path on a Hopper GPU in one go. It runs:
 #   1. the GPU pytest files of the kernels (batch invariance, fused writeback, unpacked
-#      prefill tiles, two consumer warpgroups, kv_append);
+#      prefill tiles, two consumer warpgroups, kv_append, row combine, 128-token pages);
 #   2. the randomized sweep against the fp32 reference, --cases N per path (default 500),
 #      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked,
 #      128-row tiles on two consumer warpgroups (with unpacked prefill), and the row-parallel
@@ -47,7 +47,7 @@ checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
      tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
      tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
-     tests/test_row_combine_gpu.py"
+     tests/test_row_combine_gpu.py tests/test_page128_gpu.py"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"

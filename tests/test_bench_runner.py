@@ -209,3 +209,29 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     kr.PREPARE["ion-auto-gc"](mixed, 0, "cpu", {})
     assert [o["row_combine"] for o in seen] == [True, False]
     assert all(o["tile_m"] == 64 and o["unpacked_prefill"] for o in seen)
+
+
+def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):
+    """`ion-auto-p128`: the backend's default plan options over a cache of 128-token pages
+    (the plan, the cache and the call all see page 128; the call admits it explicitly)."""
+    from ion_vllm.bench.kernel_suite import Case
+
+    seen, calls = [], []
+    monkeypatch.setattr(kr, "_ion_plan",
+                        lambda case, device, **opts: seen.append((case.ion_page, opts)) or "plan")
+    monkeypatch.setattr(kr, "ion_cache",
+                        lambda case, rot, device: calls.append(case.ion_page)
+                        or (torch.zeros(1, 4, 64),) * 4)
+    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
+    import cute_kernels
+    got = {}
+    monkeypatch.setattr(cute_kernels, "ion_attention",
+                        lambda *a, **kw: got.update(kw))
+    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
+    prep = kr.PREPARE["ion-auto-p128"](prefill, 0, "cpu", {})
+    prep.call()
+    assert seen == [(128, {"unpacked_prefill": True, "tile_m": 128, "row_combine": True})]
+    assert calls == [128] and got == {"plan": "plan", "experimental_pages": True}
+    got.clear()
+    kr.PREPARE["ion-auto"](prefill, 0, "cpu", {}).call()
+    assert got == {"plan": "plan", "experimental_pages": False}

@@ -28,7 +28,7 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
+BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
             "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -181,8 +181,11 @@ def prepare_ion(case: Case, rot: int, device, shared: dict, **plan_options) -> P
     out = torch.empty_like(q)
     scale = case.d ** -0.5
 
+    # 128-token pages are an experiment of the kernel API (variants.EXPERIMENTAL_PAGE_SIZES)
+    exp = case.ion_page != 64
+
     def call():
-        return attn(q, k, v, out, qsl, seq_lens, bt, scale, plan=plan)
+        return attn(q, k, v, out, qsl, seq_lens, bt, scale, plan=plan, experimental_pages=exp)
 
     return Prepared(call, out)
 
@@ -327,8 +330,21 @@ def prepare_ion_auto_gc(case: Case, rot: int, device, shared: dict) -> Prepared:
                                                          row_combine=False))
 
 
+def prepare_ion_auto_p128(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` over a cache of 128-token pages: 128-row K/V tiles, one TMA box and
+    one QK^T of m64n128k16 wgmmas per stage, half the per-tile softmax / rescale / barrier
+    overhead of 64-token pages.  An experiment (``experimental_pages``; the vLLM backend
+    runs 64-token pages): it measures whether wider KV tiles close the prefill gap to FA3
+    before the kernel learns to pair two 64-token pages per stage.  Its output is checked
+    against FA3 like every backend's (``rel_err_vs_fa3``)."""
+    import dataclasses
+
+    c128 = dataclasses.replace(case, ion_page=128)
+    return prepare_ion(c128, rot, device, shared, **auto_plan_options(c128))
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
-           "ion-auto-gc": prepare_ion_auto_gc,
+           "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,

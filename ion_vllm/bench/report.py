@@ -20,7 +20,7 @@ import re
 import statistics
 from pathlib import Path
 
-KERNEL_ORDER = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-unpacked", "ion-m128",
+KERNEL_ORDER = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-unpacked", "ion-m128",
                 "ion-m128-unpacked", "fa3", "fa4", "triton")
 E2E_ORDER = ("ION", "ION+packed", "ION+m64", "ION+rowcomb", "ION+groupcomb", "ION+unpacked", "ION+fused",
              "ION+fused+unpacked", "FLASH_ATTN")

@@ -1,0 +1,59 @@
+"""Helpers shared by the GPU tests of the attention kernel (imported by test modules; this
+file holds no tests): random mixed batches, the NaN-poison + fp32-reference output check,
+a planner cost model that forces split-KV, and the GQA head shapes to sweep."""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels.reference import relative_error
+
+#: output tolerance against the fp32 reference (rel. Frobenius error over rows with work)
+TOL = 1e-2
+#: planner cost-model overrides that make split-KV look free, so tests exercise it
+CHEAP_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
+#: (q heads, KV heads): GQA ratio 7 (padded to 8), 8 and 1
+HEADS = [(28, 4), (32, 4), (4, 4)]
+HEAD_IDS = ["g7", "g8", "g1"]
+
+
+def random_mixed_batch(rng, n_long: int, page: int):
+    """(q_lens, seq_lens) of a random mixed step: decode rows, prefill chunks whose cached
+    prefix is not a page multiple, rows with 0 new tokens, fresh prefills, lengths at page
+    and 64/128-row q-tile boundaries, plus ``n_long`` long prefill chunks."""
+    q_lens, seq_lens = [], []
+    for _ in range(int(rng.integers(3, 8))):
+        kind = int(rng.integers(0, 5))
+        if kind == 0:  # decode
+            ql, L = 1, int(rng.integers(1, 900))
+        elif kind == 1:  # prefill chunk, ctx not a page multiple
+            ql = int(rng.integers(2, 300))
+            L = ql + int(rng.integers(1, 400))
+        elif kind == 2:  # 0 new tokens
+            ql, L = 0, int(rng.integers(0, 200))
+        elif kind == 3:  # fresh prefill
+            ql = int(rng.integers(1, 250))
+            L = ql
+        else:  # page boundary lengths
+            L = page * int(rng.integers(1, 6)) + int(rng.integers(-1, 2))
+            ql = int(min(L, rng.choice([1, 8, 9, 63, 64, 65, 127, 128, 129])))
+        q_lens.append(ql)
+        seq_lens.append(L)
+    for _ in range(n_long):
+        ql = int(rng.integers(200, 700))
+        ctx = int(rng.choice([0, 1, 37, 64, 100, 127, 128, 1000]))
+        pos = int(rng.integers(0, len(q_lens) + 1))
+        q_lens.insert(pos, ql)
+        seq_lens.insert(pos, ql + ctx)
+    return q_lens, seq_lens
+
+
+def check_out(out, ref, mask, what: str, tol: float = TOL) -> float:
+    """``out`` was NaN-poisoned before the launch: rows with work must be finite and within
+    ``tol`` of the fp32 reference, rows without work must still be NaN."""
+    m = mask.to(out.device)
+    assert not torch.isnan(out[m]).any(), f"{what}: NaN in a written row"
+    assert torch.isnan(out[~m]).all(), f"{what}: a row without work written"
+    err = relative_error(out, ref, mask)
+    assert err <= tol, f"{what}: rel err {err:.3e}"
+    return err
