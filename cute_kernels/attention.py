@@ -511,7 +511,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
-               unpacked: bool = False, consumers=1, row_combine: bool = False) -> None:
+               unpacked: bool = False, consumers=1, row_combine: bool = False,
+               experimental_pages: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -521,7 +522,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
-    variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size)
+    variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size,
+                          experimental_pages=experimental_pages)
     kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
     for c in sorted(set(_check_consumers(c) for c in kinds)):
         _compiled(variant, False, c)

@@ -239,10 +239,17 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.row_combine = row_combine()
         if not self.row_combine:
             logger.info_once("ION: group split-KV combine (%s=0)", ROW_COMBINE_ENV)
-        if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
+        page = validation.kernel_block_size()
+        if kv_cache_spec.block_size != page:
             raise ValueError(
-                f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
-                f"{kv_cache_spec.block_size}; use --block-size {KERNEL_BLOCK_SIZE}")
+                f"ION needs a kernel KV block size of {page}, got "
+                f"{kv_cache_spec.block_size}; use --block-size {page}")
+        if page != KERNEL_BLOCK_SIZE:
+            if self.fresh_kv:
+                raise ValueError(f"{FUSED_KV_ENV}=1 needs {KERNEL_BLOCK_SIZE}-token pages; unset "
+                                 f"{validation.EXPERIMENTAL_PAGE_ENV} or {FUSED_KV_ENV}")
+            logger.warning_once("ION: %d-token KV pages (%s, an experiment not yet validated "
+                                "on a GPU)", page, validation.EXPERIMENTAL_PAGE_ENV)
         model_config = vllm_config.model_config
         parallel_config = vllm_config.parallel_config
         scheduler_config = vllm_config.scheduler_config
@@ -269,14 +276,14 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             sms = _HOPPER_SMS_DEFAULT
-        self.num_ctas = sms * ctas_per_sm_for(1)
+        self.num_ctas = sms * ctas_per_sm_for(1, self.page_size)
         self.partial_rows = self.partial_rows_per_cta * self.num_ctas if self.allow_split else 0
         self.plan = self._device_plan(Q_TILE_ROWS, self.num_ctas)
         self.item_capacity = self.plan.item_capacity
         self.group_capacity = self.plan.group_capacity
         #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
         self.plan128 = None
-        self.num_ctas128 = sms * ctas_per_sm_for(2)
+        self.num_ctas128 = sms * ctas_per_sm_for(2, self.page_size)
         if self.tile_m_auto:
             self.plan128 = self._device_plan(2 * Q_TILE_ROWS, self.num_ctas128)
         if self.device.type == "cuda":
@@ -287,7 +294,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
                        unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
-                       row_combine=self.row_combine)
+                       row_combine=self.row_combine,
+                       experimental_pages=self.page_size != KERNEL_BLOCK_SIZE)
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
@@ -307,7 +315,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             group_capacity=bound(1) if self.allow_split else 1,
             partial_rows_capacity=self.partial_rows, num_ctas=num_ctas,
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
-            unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine)
+            unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
+            page_size=self.page_size)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:
@@ -408,8 +417,8 @@ class IonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
         # A plain int: vLLM picks 64 when no --block-size is given, and splits a larger
-        # multiple of 64 into 64-token kernel pages.
-        return [KERNEL_BLOCK_SIZE]
+        # multiple of 64 into 64-token kernel pages (128 under ION_EXPERIMENTAL_PAGE=128).
+        return [validation.kernel_block_size()]
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
@@ -423,9 +432,9 @@ class IonAttentionBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        if block_size != KERNEL_BLOCK_SIZE:
-            raise ValueError(f"ION KV pages hold {KERNEL_BLOCK_SIZE} tokens, got block "
-                             f"size {block_size}")
+        page = validation.kernel_block_size()
+        if block_size != page:
+            raise ValueError(f"ION KV pages hold {page} tokens, got block size {block_size}")
         return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
     @staticmethod
@@ -599,7 +608,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query/output: ``[T, Hq, D]``; key/value: ``[T, Hkv, D]``;
-        kv_cache: ``[num_blocks, 2, Hkv, 64, D]``."""
+        kv_cache: ``[num_blocks, 2, Hkv, P, D]`` (P = 64, or 128 under ION_EXPERIMENTAL_PAGE)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("ION does not support fused output quantization")
         if attn_metadata is None:
@@ -634,7 +643,8 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
             query[:n], k_cache, v_cache, output[:n],
             attn_metadata.query_start_loc, attn_metadata.seq_lens,
             self.kernel_block_table(attn_metadata), self.scale,
-            plan=attn_metadata.plan)
+            plan=attn_metadata.plan,
+            experimental_pages=attn_metadata.plan.page_size != KERNEL_BLOCK_SIZE)
         return output
 
 

@@ -16,6 +16,7 @@ Two levels:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,21 @@ SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 REQUIRED_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 #: KV page size of the kernel (= vLLM kernel block size, = KV tile).
 KERNEL_BLOCK_SIZE = _kernel_variants.PAGE_SIZE
+#: ``ION_EXPERIMENTAL_PAGE=128``: run ION on 128-token KV pages (the kernel API's
+#: ``experimental_pages``: 128-row K/V tiles, one CTA per SM; not yet validated on a GPU).
+#: An experiment for the e2e A/B (variant ``ION+p128``); unset or 64: 64-token pages.
+EXPERIMENTAL_PAGE_ENV = "ION_EXPERIMENTAL_PAGE"
+
+
+def kernel_block_size() -> int:
+    """The kernel KV page size ION runs with: 64, or 128 under ``ION_EXPERIMENTAL_PAGE``."""
+    v = os.environ.get(EXPERIMENTAL_PAGE_ENV, "").strip()
+    if v in ("", str(KERNEL_BLOCK_SIZE)):
+        return KERNEL_BLOCK_SIZE
+    if v.isdigit() and int(v) in _kernel_variants.EXPERIMENTAL_PAGE_SIZES:
+        return int(v)
+    raise ValueError(f"{EXPERIMENTAL_PAGE_ENV}={v!r}: use {KERNEL_BLOCK_SIZE} (default) or one "
+                     f"of {_kernel_variants.EXPERIMENTAL_PAGE_SIZES}")
 #: Largest q-heads-per-KV-head ratio (packed GQA fills the 64-row MMA with 64 // Gp tokens).
 MAX_GQA_RATIO = _kernel_variants.MAX_GROUP
 
@@ -87,10 +103,11 @@ def block_size_reason(block_size: int | None) -> str | None:
     """``None`` means the user gave no ``--block-size``: vLLM then asks the backend and
     gets 64.  A user-given size must be a multiple of 64 (vLLM splits e.g. 128 into
     kernel pages of 64 through its kernel-block-size mechanism)."""
-    if block_size is None or (block_size > 0 and block_size % KERNEL_BLOCK_SIZE == 0):
+    page = kernel_block_size()
+    if block_size is None or (block_size > 0 and block_size % page == 0):
         return None
     return (f"{BACKEND_NAME}: --block-size {block_size} is not supported; the kernel's KV "
-            f"page is {KERNEL_BLOCK_SIZE} tokens, so use --block-size {KERNEL_BLOCK_SIZE} "
+            f"page is {page} tokens, so use --block-size {page} "
             f"(or a multiple of it) or leave --block-size unset")
 
 

@@ -59,7 +59,8 @@ def kv_spec(block_size=P):
                              dtype=torch.bfloat16)
 
 
-def common_metadata(q_lens, seq_lens, block_table, pad_tokens=0, seq_lens_device=None):
+def common_metadata(q_lens, seq_lens, block_table, pad_tokens=0, seq_lens_device=None,
+                    page=P):
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from cute_kernels.reference import new_token_slot_mapping
@@ -68,7 +69,7 @@ def common_metadata(q_lens, seq_lens, block_table, pad_tokens=0, seq_lens_device
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     n = int(qsl[-1]) + pad_tokens
-    slots = new_token_slot_mapping(qsl, sl, block_table, P, total_q=n)
+    slots = new_token_slot_mapping(qsl, sl, block_table, page, total_q=n)
     return CommonAttentionMetadata(
         query_start_loc=qsl.clone(), query_start_loc_cpu=qsl,
         seq_lens=sl.clone() if seq_lens_device is None else seq_lens_device,
@@ -243,7 +244,10 @@ def reference_kernels(calls):
         reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
 
     def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None,
-                      key=None, value=None):
+                      key=None, value=None, experimental_pages=False):
+        # the backend opts into the kernel API's experimental pages exactly when its plans
+        # count pages other than 64 tokens
+        assert experimental_pages == (getattr(plan, "page_size", 64) != 64)
         rows = int(qsl[-1])
         if key is not None:  # fused KV writeback: the launch itself writes the new K/V
             from cute_kernels.reference import new_token_slot_mapping
@@ -263,7 +267,7 @@ def reference_kernels(calls):
     return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
 
 
-def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False):
+def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False, page: int = P):
     from cute_kernels.reference import make_paged_case, reference_paged_attention
 
     import ion_vllm.backend as backend_mod
@@ -280,23 +284,24 @@ def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False):
     monkeypatch.setattr(backend_mod, "_cute_kernels", lambda: reference_kernels(calls))
 
     q_lens, seq_lens, pad = [70, 1, 3], [150, 90, 3], 5
-    case = make_paged_case(7, q_lens, seq_lens, HQ, HKV, D, page=P, pad_rows=pad)
+    case = make_paged_case(7, q_lens, seq_lens, HQ, HKV, D, page=page, pad_rows=pad)
     n = case.q.shape[0]
     kv_cache = torch.stack([case.k_cache, case.v_cache], dim=1).contiguous()
     truth = kv_cache.clone()
     # new tokens' K/V: from the truth cache; overwrite those slots with garbage so the
     # impl must write them itself
-    cm = common_metadata(q_lens, seq_lens, case.block_table, pad_tokens=pad)
+    cm = common_metadata(q_lens, seq_lens, case.block_table, pad_tokens=pad, page=page)
     slots = cm.slot_mapping
     key = torch.randn(n, HKV, D).to(torch.bfloat16)
     value = torch.randn(n, HKV, D).to(torch.bfloat16)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
-            truth[s // P, 0, :, s % P] = key[i]
-            truth[s // P, 1, :, s % P] = value[i]
-            kv_cache[s // P, :, :, s % P] = 1e4
+            truth[s // page, 0, :, s % page] = key[i]
+            truth[s // page, 1, :, s % page] = value[i]
+            kv_cache[s // page, :, :, s % page] = 1e4
 
-    builder = IonAttentionMetadataBuilder(kv_spec(), [], make_config(), torch.device("cpu"))
+    builder = IonAttentionMetadataBuilder(kv_spec(page), [], make_config(),
+                                          torch.device("cpu"))
     md = builder.build(0, cm)
     impl = IonAttentionImpl(HQ, D, 0.125, HKV)
     # query as a strided view, like q out of a fused qkv projection
@@ -549,3 +554,59 @@ def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
     monkeypatch.setenv(backend_mod.ROW_COMBINE_ENV, "maybe")
     with pytest.raises(ValueError, match="ION_ROW_COMBINE"):
         backend_mod.row_combine()
+
+
+def test_experimental_128_token_pages_switch(make_config, monkeypatch):
+    """ION_EXPERIMENTAL_PAGE=128: vLLM picks 128-token blocks through the backend's kernel
+    block size, the cache shape and the builder's plans use 128-token pages on one CTA per
+    SM, and the forward call opts into the kernel API's experimental pages.  Fused
+    writeback with 128-token pages and bad values are refused; unset, nothing changes."""
+    from vllm.platforms.interface import Platform
+    from vllm.v1.worker.utils import select_common_block_size
+
+    import ion_vllm.backend as backend_mod
+    from ion_vllm import validation
+
+    monkeypatch.setattr(Platform, "_find_non_ssm_backend",
+                        classmethod(lambda cls, cfg: IonAttentionBackend))
+    monkeypatch.delenv(validation.EXPERIMENTAL_PAGE_ENV, raising=False)
+    assert IonAttentionBackend.get_supported_kernel_block_sizes() == [64]
+
+    monkeypatch.setenv(validation.EXPERIMENTAL_PAGE_ENV, "128")
+    assert IonAttentionBackend.get_supported_kernel_block_sizes() == [128]
+    cfg = make_config()
+    Platform.update_block_size_for_backend(cfg)
+    assert cfg.cache_config.block_size == 128
+    assert select_common_block_size(256, [IonAttentionBackend]) == 128
+    assert IonAttentionBackend.supports_block_size(256)
+    assert not IonAttentionBackend.supports_block_size(64)
+    assert IonAttentionBackend.get_kv_cache_shape(10, 128, HKV, D) == (10, 2, HKV, 128, D)
+    with pytest.raises(ValueError, match="hold 128 tokens"):
+        IonAttentionBackend.get_kv_cache_shape(10, 64, HKV, D)
+
+    b = IonAttentionMetadataBuilder(kv_spec(128), [], cfg, torch.device("cpu"))
+    assert b.page_size == 128 and b.plan.page_size == 128
+    assert b.num_ctas == backend_mod._HOPPER_SMS_DEFAULT  # one CTA per SM
+    with pytest.raises(ValueError, match="block size of 128"):
+        IonAttentionMetadataBuilder(kv_spec(64), [], cfg, torch.device("cpu"))
+    bt = torch.arange(2 * 80, dtype=torch.int32).reshape(2, 80)  # helper slots count 64-pages
+    md = b.build(0, common_metadata([1, 300], [5000, 300], bt))
+    assert md.plan.page_size == 128
+    w = md.plan.host.work[: md.plan.num_items]
+    assert w[w[:, 0] == 0][:, 5].max() == -(-5000 // 128)  # pages of 128 tokens
+
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
+    with pytest.raises(ValueError, match="needs 64-token pages"):
+        IonAttentionMetadataBuilder(kv_spec(128), [], cfg, torch.device("cpu"))
+    monkeypatch.delenv(backend_mod.FUSED_KV_ENV)
+    for bad in ("96", "256", "big"):
+        monkeypatch.setenv(validation.EXPERIMENTAL_PAGE_ENV, bad)
+        with pytest.raises(ValueError, match="ION_EXPERIMENTAL_PAGE"):
+            validation.kernel_block_size()
+    from ion_vllm.bench import e2e
+    assert e2e.resolve_backend("ION+p128") == ("ION", {validation.EXPERIMENTAL_PAGE_ENV: "128"})
+
+    # forward on a cache of 128-token pages (reference kernels stand in for the GPU ones)
+    monkeypatch.setenv(validation.EXPERIMENTAL_PAGE_ENV, "128")
+    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, page=128)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
