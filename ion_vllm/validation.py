@@ -34,6 +34,11 @@ SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 REQUIRED_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 #: KV page size of the kernel (= vLLM kernel block size, = KV tile).
 KERNEL_BLOCK_SIZE = _kernel_variants.PAGE_SIZE
+#: Largest q-heads-per-KV-head ratio (packed GQA fills the 64-row MMA with 64 // Gp tokens).
+MAX_GQA_RATIO = _kernel_variants.MAX_GROUP
+
+_FALLBACK = "use --attention-backend FLASH_ATTN (or leave it unset) for this configuration"
+
 #: ``ION_EXPERIMENTAL_PAGE=128``: run ION on 128-token KV pages (the kernel API's
 #: ``experimental_pages``: 128-row K/V tiles, one CTA per SM; not yet validated on a GPU).
 #: An experiment for the e2e A/B (variant ``ION+p128``); unset or 64: 64-token pages.
@@ -49,10 +54,6 @@ def kernel_block_size() -> int:
         return int(v)
     raise ValueError(f"{EXPERIMENTAL_PAGE_ENV}={v!r}: use {KERNEL_BLOCK_SIZE} (default) or one "
                      f"of {_kernel_variants.EXPERIMENTAL_PAGE_SIZES}")
-#: Largest q-heads-per-KV-head ratio (packed GQA fills the 64-row MMA with 64 // Gp tokens).
-MAX_GQA_RATIO = _kernel_variants.MAX_GROUP
-
-_FALLBACK = "use --attention-backend FLASH_ATTN (or leave it unset) for this configuration"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -101,8 +102,9 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None) -> str | None:
 
 def block_size_reason(block_size: int | None) -> str | None:
     """``None`` means the user gave no ``--block-size``: vLLM then asks the backend and
-    gets 64.  A user-given size must be a multiple of 64 (vLLM splits e.g. 128 into
-    kernel pages of 64 through its kernel-block-size mechanism)."""
+    gets the kernel page (64; 128 under ``ION_EXPERIMENTAL_PAGE=128``).  A user-given size
+    must be a multiple of it (vLLM splits e.g. 128 into kernel pages of 64 through its
+    kernel-block-size mechanism)."""
     page = kernel_block_size()
     if block_size is None or (block_size > 0 and block_size % page == 0):
         return None

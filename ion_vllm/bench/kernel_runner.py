@@ -28,8 +28,8 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-unpacked", "ion-m128", "ion-m128-unpacked",
-            "fa3", "fa4", "triton")
+BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-unpacked",
+            "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
