@@ -29,8 +29,9 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
+from paged_gpu_checks import CHEAP_SPLIT
+
 P = 64
-CHEAP_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
 
 
 def _new_kv(total_q, hq, hkv, d, dtype, gen, strided):

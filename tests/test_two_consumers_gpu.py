@@ -28,9 +28,10 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
+from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL
+from paged_gpu_checks import check_out as _check_out
+
 P = 64
-TOL = 1e-2
-CHEAP_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
 
 
 def _random_batch(rng, n_long):
@@ -72,13 +73,6 @@ def _device_plan(qsl, sl, hkv, g, d, *, tile_m, force_split=False, unpacked=Fals
                             tile_m=tile_m, cost_model=cm)
 
 
-def _check_out(out, ref, mask, what):
-    assert not torch.isnan(out[mask.to(out.device)]).any(), f"{what}: NaN in a written row"
-    assert torch.isnan(out[~mask.to(out.device)]).all(), f"{what}: a row without work written"
-    err = relative_error(out, ref, mask)
-    assert err <= TOL, f"{what}: rel err {err:.3e}"
-
-
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
          unpacked=False):
     from cute_kernels.attention import ion_attention
@@ -112,13 +106,10 @@ def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=F
     return p128
 
 
-HEADS = [(28, 4), (32, 4), (4, 4)]  # G = 7, 8, 1
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=["g7", "g8", "g1"])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 def test_tile_m_128_matches_reference(heads, d, dtype):
     hq, hkv = heads
     rng = np.random.default_rng(hq * 1000 + d + (dtype == torch.float16))
@@ -129,7 +120,7 @@ def test_tile_m_128_matches_reference(heads, d, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", HEADS, ids=["g7", "g8", "g1"])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 def test_tile_m_128_split_kv(heads):
     hq, hkv = heads
     # long decode rows and a long chunk get split-KV: consumer 2 writes partial rows 64..127

@@ -29,9 +29,10 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
+from paged_gpu_checks import CHEAP_SPLIT, TOL
+from paged_gpu_checks import check_out as _check_out
+
 P = 64
-TOL = 1e-2
-CHEAP_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
 
 
 def _random_batch(rng, n_long):
@@ -72,13 +73,6 @@ def _device_plan(qsl, sl, hkv, g, d, *, unpacked, force_split=False, fresh_kv=Fa
     return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
                             device="cuda", fresh_kv=fresh_kv, unpacked_prefill=unpacked,
                             cost_model=cm)
-
-
-def _check_out(out, ref, mask, what):
-    assert not torch.isnan(out[mask.to(out.device)]).any(), f"{what}: NaN in a written row"
-    assert torch.isnan(out[~mask.to(out.device)]).all(), f"{what}: a row without work written"
-    err = relative_error(out, ref, mask)
-    assert err <= TOL, f"{what}: rel err {err:.3e}"
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
