@@ -4,14 +4,16 @@
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
 #           ion-auto-gc (group combine), ion-auto-p128 (128-token pages, an experiment), fa3
-#   kval    the kernel GPU tests + the row-combine 500-case sweep (CPU-compile bound); it runs while
-#           the e2e servers start up (~160 s): steps.txt and e2e.log's timestamps show whether
-#           it ended before the first e2e bench run
+#   kval    the kernel GPU tests + the row-combine 500-case sweep (CPU-compile bound; the
+#           tests took 190 s before the 128-token-page file was added); it runs while the e2e
+#           servers start up (~160 s): steps.txt and e2e.log's time stamps show whether it
+#           ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py (ion, native, none)
-# Environment: SESSION_STEPS (subset, space-separated), KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in
-# run order), E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S, MODEL.
+# Environment: SESSION_STEPS (subset, space-separated), KBENCH_BACKENDS, E2E_WORKLOADS
+# (comma-separated, in run order), E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S,
+# MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
 set -uo pipefail
@@ -39,8 +41,8 @@ if want kbench; then
 fi
 kval_pid=
 if want kval; then
-  KVAL_PARALLEL=1 KVAL_STEP_S=300 KVAL_STEPS="pytest-gpu sweep-rowcomb" \
-    step kval 330 scripts/kernel_validation.sh "$out/kval" 500 &
+  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="pytest-gpu sweep-rowcomb" \
+    step kval 450 scripts/kernel_validation.sh "$out/kval" 500 &
   kval_pid=$!
 fi
 if want e2e; then
