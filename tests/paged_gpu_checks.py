@@ -17,10 +17,16 @@ HEADS = [(28, 4), (32, 4), (4, 4)]
 HEAD_IDS = ["g7", "g8", "g1"]
 
 
-def random_mixed_batch(rng, n_long: int, page: int):
+#: cached-context lengths of the long chunks random_mixed_batch adds (page boundaries of
+#: 64- and 128-token pages included)
+LONG_CTX = (0, 1, 37, 64, 100, 127, 128, 1000)
+
+
+def random_mixed_batch(rng, n_long: int, page: int, long_ctx=LONG_CTX):
     """(q_lens, seq_lens) of a random mixed step: decode rows, prefill chunks whose cached
     prefix is not a page multiple, rows with 0 new tokens, fresh prefills, lengths at page
-    and 64/128-row q-tile boundaries, plus ``n_long`` long prefill chunks."""
+    and 64/128-row q-tile boundaries, plus ``n_long`` long prefill chunks whose cached
+    context is drawn from ``long_ctx``."""
     q_lens, seq_lens = [], []
     for _ in range(int(rng.integers(3, 8))):
         kind = int(rng.integers(0, 5))
@@ -41,7 +47,7 @@ def random_mixed_batch(rng, n_long: int, page: int):
         seq_lens.append(L)
     for _ in range(n_long):
         ql = int(rng.integers(200, 700))
-        ctx = int(rng.choice([0, 1, 37, 64, 100, 127, 128, 1000]))
+        ctx = int(rng.choice(list(long_ctx)))
         pos = int(rng.integers(0, len(q_lens) + 1))
         q_lens.insert(pos, ql)
         seq_lens.insert(pos, ql + ctx)

@@ -28,38 +28,12 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL
+from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL, random_mixed_batch
 from paged_gpu_checks import check_out as _check_out
 
 P = 64
-
-
-def _random_batch(rng, n_long):
-    q_lens, seq_lens = [], []
-    for _ in range(int(rng.integers(3, 8))):
-        kind = int(rng.integers(0, 5))
-        if kind == 0:  # decode
-            ql, L = 1, int(rng.integers(1, 900))
-        elif kind == 1:  # prefill chunk, ctx not a page multiple
-            ql = int(rng.integers(2, 300))
-            L = ql + int(rng.integers(1, 400))
-        elif kind == 2:  # 0 new tokens
-            ql, L = 0, int(rng.integers(0, 200))
-        elif kind == 3:  # fresh prefill
-            ql = int(rng.integers(1, 250))
-            L = ql
-        else:  # page / half-tile boundary lengths
-            L = P * int(rng.integers(1, 6)) + int(rng.integers(-1, 2))
-            ql = int(min(L, rng.choice([1, 8, 9, 63, 64, 65, 127, 128, 129])))
-        q_lens.append(ql)
-        seq_lens.append(L)
-    for _ in range(n_long):
-        ql = int(rng.integers(200, 700))
-        ctx = int(rng.choice([0, 1, 37, 64, 100, 1000]))
-        pos = int(rng.integers(0, len(q_lens) + 1))
-        q_lens.insert(pos, ql)
-        seq_lens.insert(pos, ql + ctx)
-    return q_lens, seq_lens
+#: this file's long-chunk contexts (its random cases predate the 128-token-page ones)
+LONG_CTX_64 = (0, 1, 37, 64, 100, 1000)
 
 
 def _device_plan(qsl, sl, hkv, g, d, *, tile_m, force_split=False, unpacked=False,
@@ -114,7 +88,8 @@ def test_tile_m_128_matches_reference(heads, d, dtype):
     hq, hkv = heads
     rng = np.random.default_rng(hq * 1000 + d + (dtype == torch.float16))
     for trial in range(3):
-        q_lens, seq_lens = _random_batch(rng, n_long=1 + trial % 2)
+        q_lens, seq_lens = random_mixed_batch(rng, n_long=1 + trial % 2, page=P,
+                                              long_ctx=LONG_CTX_64)
         _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=trial,
              pad_rows=(5 if trial == 1 else 0))
 
