@@ -187,6 +187,8 @@ def engine_kwargs(cfg: dict, trace_dir: str) -> dict:
                   torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False))
     if cfg.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+    if cfg.get("kv_cache_memory_bytes"):
+        kw["kv_cache_memory_bytes"] = cfg["kv_cache_memory_bytes"]
     return kw
 
 
@@ -211,6 +213,10 @@ def child(cfg: dict) -> dict:
                          for _ in range(n)]
     sp = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
     llm.generate(prompts(min(cfg["num_prompts"], cfg["max_num_seqs"])), sp(16), use_tqdm=False)
+    if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
+        from ion_vllm.bench.start_gate import ready_then_wait
+
+        ready_then_wait(cfg["gate_dir"], cfg["backend"])
     t0 = time.perf_counter()
     llm.generate(prompts(cfg["num_prompts"]), sp(cfg["output_len"]), use_tqdm=False)
     timed = time.perf_counter() - t0
@@ -223,21 +229,51 @@ def child(cfg: dict) -> dict:
     return {"timed_wall_s": timed, "profiled_wall_s": profiled}
 
 
-def run_backend(args, backend: str, trace_dir: str) -> dict:
-    cfg = dict(backend=backend, trace_dir=os.path.abspath(trace_dir), model=args.model,
+def backend_cfg(args, backend: str, trace_dir: str) -> dict:
+    return dict(backend=backend, trace_dir=os.path.abspath(trace_dir), model=args.model,
                seed=args.seed, input_len=args.input_len, output_len=args.output_len,
                num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
                profile_prompts=args.profile_prompts, enforce_eager=args.enforce_eager,
                gpu_memory_utilization=args.gpu_memory_utilization,
                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def child_argv(cfg: dict, res_file: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg),
+            "--child-out", res_file]
+
+
+def run_backend(args, backend: str, trace_dir: str) -> dict:
+    cfg = backend_cfg(args, backend, trace_dir)
     res_file = os.path.join(trace_dir, "child_result.json")
     os.makedirs(trace_dir, exist_ok=True)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg),
-                           "--child-out", res_file], timeout=args.timeout)
+    proc = subprocess.run(child_argv(cfg, res_file), timeout=args.timeout)
     if proc.returncode != 0 or not os.path.exists(res_file):
         raise RuntimeError(f"{backend} child exited with {proc.returncode}")
     with open(res_file) as f:
         return json.load(f)
+
+
+def run_backends_colocated(args, backends: list[str], trace_dirs: dict[str, str]) -> None:
+    """--colocate: both engines start at once (each planning for 1/n of the GPU memory, with
+    a fixed KV pool and its own compile cache), then run their timed and profiled parts one
+    at a time (ion_vllm.bench.start_gate).  Each child leaves child_result.json in its trace
+    dir, which the caller reads as in the sequential path."""
+    import tempfile
+
+    from ion_vllm.bench.start_gate import GatedChild, gpu_memory_fraction, run_gated
+
+    with tempfile.TemporaryDirectory() as gate:
+        kids = []
+        for b in backends:
+            cfg = {**backend_cfg(args, b, trace_dirs[b]), "gate_dir": gate,
+                   "gpu_memory_utilization": gpu_memory_fraction(len(backends)),
+                   "kv_cache_memory_bytes": int(args.kv_cache_gib * (1 << 30))}
+            os.makedirs(trace_dirs[b], exist_ok=True)
+            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(gate, f"cache-{b}"))
+            kids.append(GatedChild(b, child_argv(cfg, os.path.join(trace_dirs[b],
+                                                                   "child_result.json")), env))
+        run_gated(kids, gate)
 
 
 def parse_args(argv=None):
@@ -259,6 +295,11 @@ def parse_args(argv=None):
     p.add_argument("--attn-pattern", action="append", default=[], metavar="[BACKEND=]REGEX",
                    help="attention-kernel regex for BACKEND (or for all); repeatable")
     p.add_argument("--out", default=None, help="default bench/results/attention-share-<date>")
+    p.add_argument("--colocate", action="store_true",
+                   help="start every backend's engine at once, then time and profile them one "
+                        "at a time (saves an engine start of device time)")
+    p.add_argument("--kv-cache-gib", type=float, default=30.0,
+                   help="--colocate: each engine's fixed KV pool")
     p.add_argument("--parse-only", action="store_true",
                    help="do not run vLLM; re-analyse OUT/traces/<backend>/")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per backend")
@@ -295,13 +336,22 @@ def main(argv=None) -> int:
     overrides = pattern_overrides(args.attn_pattern)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results, failed = {}, False
+    tdirs = {b: os.path.join(out, "traces", b) for b in backends}
+    if not args.parse_only:
+        for b in backends:
+            for old in find_traces(tdirs[b]) + glob.glob(os.path.join(tdirs[b],
+                                                                     "child_result.json")):
+                os.remove(old)
+    if args.colocate and not args.parse_only:
+        run_backends_colocated(args, backends, tdirs)
     for b in backends:
-        tdir = os.path.join(out, "traces", b)
+        tdir = tdirs[b]
         try:
-            if not args.parse_only:
-                for old in find_traces(tdir):
-                    os.remove(old)
+            if not args.parse_only and not args.colocate:
                 timing = run_backend(args, b, tdir)
+            elif args.colocate and not args.parse_only and not os.path.exists(
+                    os.path.join(tdir, "child_result.json")):
+                raise RuntimeError(f"{b}: no child_result.json (its child failed)")
             else:
                 cr = os.path.join(tdir, "child_result.json")
                 timing = json.load(open(cr)) if os.path.exists(cr) else {}

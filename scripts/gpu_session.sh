@@ -3,24 +3,31 @@
 # outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
-#           ion-auto-gc (group combine), ion-auto-p128 (128-token pages, an experiment), fa3
+#           ion-auto-p128 (128-token pages, an experiment), fa3
+#   preempt the KV tier's preemption check in float32 on TRITON_ATTN (tiny real-weight model,
+#           /tmp/tiny): reference, tier (with block verification) and control run side by
+#           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
+#           comparison is meaningful
 #   kval    the kernel GPU tests + the row-combine 500-case sweep (CPU-compile bound; the
 #           tests took 190 s before the 128-token-page file was added); it runs while the e2e
 #           servers start up (~160 s): steps.txt and e2e.log's time stamps show whether it
 #           ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
-#   kvtier  scripts/kv_tier_bench.py (ion, native, none)
-# Environment: SESSION_STEPS (subset, space-separated), KBENCH_BACKENDS, E2E_WORKLOADS
-# (comma-separated, in run order), E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S,
-# MODEL.
+#   kvtier  scripts/kv_tier_bench.py --colocate (ion, native, none: engines start together,
+#           then measure one at a time)
+#   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
+# Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
+# KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in run order), E2E_BACKENDS,
+# E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
 model=${MODEL:-/tmp/ion-demo}
-steps=${SESSION_STEPS:-kbench kval e2e kvtier}
+tiny=${TINY_MODEL:-/tmp/tiny}
+steps=${SESSION_STEPS:-kbench preempt e2e kvtier}
 mkdir -p "$out"
 : > "$out/steps.txt"
 
@@ -37,7 +44,13 @@ step() {  # step NAME SECONDS CMD...
 
 if want kbench; then
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-gc,ion-auto-p128,fa3}" --out "$out/kbench"
+    --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-p128,fa3}" --out "$out/kbench"
+fi
+if want preempt; then
+  mkdir -p "$out/preempt"
+  step preempt 300 python3 scripts/kv_tier_preempt_check.py "$tiny" --enforce-eager \
+    --attention-backend TRITON_ATTN --dtype float32 --no-batch-invariant --parallel --verify \
+    --out "$out/preempt/preempt_check_fp32_triton.json"
 fi
 kval_pid=
 if want kval; then
@@ -53,7 +66,11 @@ if want e2e; then
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
 if want kvtier; then
-  step kvtier "${KVTIER_S:-500}" python3 scripts/kv_tier_bench.py "$model" \
+  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
     --configs "${KVTIER_CONFIGS:-ion,native,none}" --out "$out/kvtier"
+fi
+if want share; then
+  step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \
+    --out "$out/share"
 fi
 mark all done

@@ -69,6 +69,8 @@ def child(cfg: dict) -> dict:
         kw["load_format"] = "dummy"  # e.g. the offline demo model (config only)
     if cfg["backend"]:
         kw["attention_backend"] = cfg["backend"]
+    if cfg.get("gpu_memory_utilization"):
+        kw["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
     host_bytes = int(cfg["host_gib"] * (1 << 30))
     if cfg["name"] == "native":
         kw["kv_transfer_config"] = {
@@ -89,6 +91,10 @@ def child(cfg: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     # warm-up (not measured): compile/capture on an unrelated prompt
     llm.generate([TokensPrompt(prompt_token_ids=tok(64))], sp, use_tqdm=False)
+    if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
+        from ion_vllm.bench.start_gate import ready_then_wait
+
+        ready_then_wait(cfg["gate_dir"], cfg["name"])
     m0 = prometheus_sums()
     ttft: list[float] = []
     n_in = n_out = 0
@@ -140,6 +146,34 @@ def run_child(cfg: dict) -> dict:
         subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True)
         with open(opath) as f:
             return json.load(f)
+
+
+def run_colocated(base: dict, names: list[str], on_result) -> None:
+    """--colocate: every config's engine starts at once (each planning for 1/n of the GPU
+    memory; separate compile caches), then they measure one at a time, in order (see
+    ion_vllm.bench.start_gate).  ``on_result(result)`` gets each config's result dict."""
+    from ion_vllm.bench.start_gate import GatedChild, gpu_memory_fraction, run_gated
+
+    with tempfile.TemporaryDirectory() as d:
+        frac = gpu_memory_fraction(len(names))
+        children, outs = [], {}
+        for name in names:
+            cpath, outs[name] = os.path.join(d, f"{name}.json"), os.path.join(d, f"{name}.out")
+            with open(cpath, "w") as f:
+                json.dump({**base, "name": name, "gate_dir": d,
+                           "gpu_memory_utilization": frac}, f)
+            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(d, f"cache-{name}"))
+            children.append(GatedChild(name, [sys.executable, __file__, "--child", cpath,
+                                              outs[name]], env))
+
+        def done(name: str, rc: int) -> None:
+            if rc == 0 and os.path.exists(outs[name]):
+                with open(outs[name]) as f:
+                    on_result(json.load(f))
+            else:
+                on_result({"config": name, "error": f"child exited {rc}"})
+
+        run_gated(children, d, on_done=done)
 
 
 def fmt(v, nd=1):
@@ -224,6 +258,11 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--wave", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--colocate", action="store_true",
+                    help="start every config's engine at once (each with 1/n of the GPU "
+                         "memory), then measure them one at a time: saves (n-1) engine "
+                         "starts of device time; the measured config has the GPU's compute "
+                         "and PCIe to itself")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -253,17 +292,27 @@ def main() -> int:
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
             "args": vars(args)}
+    meta["colocate"] = args.colocate
     results = []
     lines: list[str] = []
-    for name in args.configs.split(","):
-        print(f"== {name}", flush=True)
-        try:
-            results.append(run_child({**base, "name": name}))
-        except subprocess.CalledProcessError as e:
-            results.append({"config": name, "error": f"child exited {e.returncode}"})
-        print(json.dumps(results[-1], indent=1), flush=True)
+
+    def record(res: dict) -> None:
+        nonlocal lines
+        results.append(res)
+        print(json.dumps(res, indent=1), flush=True)
         # written after every config, so a run cut short still leaves the finished ones
         lines = write_results(out, meta, results, args, kv_bytes, reuse)
+
+    names = args.configs.split(",")
+    if args.colocate:
+        run_colocated(base, names, record)
+    else:
+        for name in names:
+            print(f"== {name}", flush=True)
+            try:
+                record(run_child({**base, "name": name}))
+            except subprocess.CalledProcessError as e:
+                record({"config": name, "error": f"child exited {e.returncode}"})
     print("\n".join(lines))
     print(f"written to {out}")
     return 0

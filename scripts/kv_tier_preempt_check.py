@@ -65,6 +65,10 @@ def child(cfg: dict) -> dict:
               disable_log_stats=False, enable_prefix_caching=True)
     if cfg["backend"]:
         kw["attention_backend"] = cfg["backend"]
+    if cfg.get("dtype", "auto") != "auto":
+        kw["dtype"] = cfg["dtype"]
+    if cfg.get("gpu_memory_utilization"):
+        kw["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
     if cfg["offload"]:
         kw["kv_transfer_config"] = offload_config(cfg)
     llm = LLM(**kw)
@@ -106,20 +110,50 @@ M_VERIFIED = "vllm:ion_kv_tier_verified_blocks"
 M_VERIFY_MISMATCH = "vllm:ion_kv_tier_verify_mismatch_blocks"
 
 
+def child_env(cfg: dict) -> dict:
+    env = dict(os.environ)
+    if cfg.get("batch_invariant", True):
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    env.pop(VERIFY_ENV, None)  # only the run asked to verify does
+    if cfg.get("verify"):
+        env[VERIFY_ENV] = "1"
+    return env
+
+
 def run_child(cfg: dict) -> dict:
+    return run_children([cfg])[0]
+
+
+def run_children(cfgs: list[dict]) -> list[dict]:
+    """Run each config in its own process, all at once (each told to plan for 1/n of the
+    GPU memory when there are several); return their results in order.  Correctness
+    runs: nothing here is timed, so they may share the GPU."""
+    from ion_vllm.bench.start_gate import gpu_memory_fraction
+
+    frac = gpu_memory_fraction(len(cfgs)) if len(cfgs) > 1 else None
     with tempfile.TemporaryDirectory() as d:
-        cpath, opath = os.path.join(d, "cfg.json"), os.path.join(d, "out.json")
-        with open(cpath, "w") as f:
-            json.dump(cfg, f)
-        env = dict(os.environ)
-        if cfg.get("batch_invariant", True):
-            env["VLLM_BATCH_INVARIANT"] = "1"
-        env.pop(VERIFY_ENV, None)  # only the run asked to verify does
-        if cfg.get("verify"):
-            env[VERIFY_ENV] = "1"
-        subprocess.run([sys.executable, __file__, "--child", cpath, opath], check=True, env=env)
-        with open(opath) as f:
-            return json.load(f)
+        procs, outs = [], []
+        for k, cfg in enumerate(cfgs):
+            if frac is not None:
+                cfg = {**cfg, "gpu_memory_utilization": frac}
+            cpath, opath = os.path.join(d, f"cfg{k}.json"), os.path.join(d, f"out{k}.json")
+            with open(cpath, "w") as f:
+                json.dump(cfg, f)
+            env = child_env(cfg)
+            if frac is not None:  # concurrent engines: separate compile caches
+                env["VLLM_CACHE_ROOT"] = os.path.join(d, f"cache{k}")
+            procs.append(subprocess.Popen([sys.executable, __file__, "--child", cpath, opath],
+                                          env=env))
+            outs.append(opath)
+        rcs = [p.wait() for p in procs]
+        if any(rcs):
+            raise subprocess.CalledProcessError(max(rcs, key=abs), "child",
+                                                output=f"exit codes {rcs}")
+        res = []
+        for opath in outs:
+            with open(opath) as f:
+                res.append(json.load(f))
+        return res
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -231,6 +265,14 @@ def main() -> int:
     ap.add_argument("--verify", action="store_true",
                     help="Ion tier: fingerprint every stored/restored KV block on the GPU "
                          "(ION_KV_TIER_VERIFY=1) and report byte-level restore verdicts")
+    ap.add_argument("--dtype", default="auto",
+                    help="model dtype (vLLM's --dtype).  float32 (with a backend that takes "
+                         "it, e.g. TRITON_ATTN, and --no-batch-invariant) makes rounding noise "
+                         "~2^16 times smaller than bf16, so greedy near-ties stop flipping and "
+                         "a token comparison can tell a corrupt restore from batch variance")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the reference, tier and control (implies --control always) "
+                         "processes at the same time: a correctness check, nothing is timed")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
     if args.verify and args.spec != "ion":
@@ -242,7 +284,8 @@ def main() -> int:
     vocab = hf.vocab_size
     n_kv = getattr(hf, "num_key_value_heads", hf.num_attention_heads)
     head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    per_token = 2 * hf.num_hidden_layers * n_kv * head * 2  # bf16
+    elem = 4 if args.dtype in ("float32", "float") else 2
+    per_token = 2 * hf.num_hidden_layers * n_kv * head * elem
     seq = args.prefix_len + args.suffix_len + args.max_tokens
     need = per_token * seq * args.num_requests
     kv_bytes = args.kv_cache_memory_bytes or max(need // 4, per_token * seq * 2)
@@ -251,23 +294,29 @@ def main() -> int:
                 max_num_seqs=args.num_requests, max_tokens=args.max_tokens,
                 waves=args.waves, host_gib=args.host_gib, ring_mib=args.ring_mib,
                 enforce_eager=args.enforce_eager, batch_invariant=not args.no_batch_invariant,
-                spec=args.spec,
+                spec=args.spec, dtype=args.dtype,
                 prompts=make_prompts(args.num_requests, vocab, args.prefix_len,
                                      args.suffix_len, args.n_prefixes))
     print(f"KV pool {kv_bytes/2**20:.1f} MiB for a workload needing {need/2**20:.1f} MiB")
-    ref = run_child({**base, "offload": False})
-    ion = run_child({**base, "offload": True, "verify": args.verify})
-    tier_differs = any(a != b for a, b in zip(ref["outputs"], ion["outputs"]))
-    ctl = None
-    if args.control == "always" or (args.control == "auto" and tier_differs):
-        ctl = run_child({**base, "offload": False,
-                         "max_num_seqs": max(1, args.num_requests // 2)})
+    ref_cfg = {**base, "offload": False}
+    ion_cfg = {**base, "offload": True, "verify": args.verify}
+    ctl_cfg = {**base, "offload": False, "max_num_seqs": max(1, args.num_requests // 2)}
+    if args.parallel:
+        ref, ion, ctl = run_children([ref_cfg, ion_cfg, ctl_cfg])
+    else:
+        ref = run_child(ref_cfg)
+        ion = run_child(ion_cfg)
+        tier_differs = any(a != b for a, b in zip(ref["outputs"], ion["outputs"]))
+        ctl = None
+        if args.control == "always" or (args.control == "auto" and tier_differs):
+            ctl = run_child(ctl_cfg)
     m = ion["metrics"]
     verdict, msgs, code = evaluate(ref["outputs"], ion["outputs"], m,
                                    ctl["outputs"] if ctl else None, args.verify)
     report = {
         "kv_pool_bytes": kv_bytes, "requests": len(ref["outputs"]),
         "batch_invariant": not args.no_batch_invariant, "spec": args.spec,
+        "dtype": args.dtype, "attention_backend": args.attention_backend,
         "generated_tokens": sum(len(o) for o in ref["outputs"]),
         "preemptions_ref": ref["metrics"].get("vllm:num_preemptions", None),
         "external_prefix_hit_tokens": m.get("vllm:external_prefix_cache_hits", 0.0),

@@ -196,3 +196,47 @@ def test_engine_kwargs_accepted_by_vllm(cpu_platform, tmp_path, backend):
     params = set(inspect.signature(LLM.__init__).parameters) | set(
         inspect.signature(EngineArgs).parameters)
     assert set(kw) <= params
+
+
+def test_colocated_children_share_the_gpu_and_are_gated(tmp_path, monkeypatch):
+    """--colocate: one gated child per backend, each planning for 1/n of the GPU with a
+    fixed KV pool and its own compile cache; the measured parts run in backend order."""
+    import ion_vllm.bench.start_gate as gate
+
+    seen = {}
+
+    def fake_run_gated(kids, gate_dir, **kw):
+        seen["names"] = [k.name for k in kids]
+        seen["cfgs"] = [json.loads(k.argv[k.argv.index("--child") + 1]) for k in kids]
+        seen["roots"] = [k.env["VLLM_CACHE_ROOT"] for k in kids]
+        return {k.name: 0 for k in kids}
+
+    monkeypatch.setattr(gate, "run_gated", fake_run_gated)
+    args = A.parse_args(["--model", "/m", "--colocate", "--kv-cache-gib", "2",
+                         "--out", str(tmp_path)])
+    A.run_backends_colocated(args, ["ION", "FLASH_ATTN"],
+                             {b: str(tmp_path / b) for b in ("ION", "FLASH_ATTN")})
+    assert seen["names"] == ["ION", "FLASH_ATTN"]
+    assert [c["gpu_memory_utilization"] for c in seen["cfgs"]] == [0.45, 0.45]
+    assert all(c["kv_cache_memory_bytes"] == 2 << 30 and c["gate_dir"] for c in seen["cfgs"])
+    assert len(set(seen["roots"])) == 2
+
+
+def test_colocated_backend_without_a_result_is_reported(tmp_path, monkeypatch):
+    """The children write traces and child_result.json; a backend whose child left no
+    result is an error, the other is still analysed."""
+    import shutil
+
+    src = tmp_path / "src"
+    _make_traces(src, with_timing=True)
+    os.remove(src / "traces" / "FLASH_ATTN" / "child_result.json")
+    out = tmp_path / "out"
+
+    def fake_children(args, backends, tdirs):  # what the gated children leave behind
+        shutil.copytree(src / "traces", out / "traces", dirs_exist_ok=True)
+
+    monkeypatch.setattr(A, "run_backends_colocated", fake_children)
+    rc = A.main(["--model", "/m", "--colocate", "--out", str(out)])
+    data = json.loads((out / "attention_share.json").read_text())
+    assert rc == 1 and "error" in data["results"]["FLASH_ATTN"]
+    assert data["results"]["ION"]["timed_wall_s"] == 80.0

@@ -50,21 +50,52 @@ def test_preempt_prompts_share_prefixes():
     assert preempt.make_prompts(12, 1000, 40, 8, 3, seed=1) == p  # deterministic
 
 
-def test_preempt_child_env_is_batch_invariant(monkeypatch, tmp_path):
+class _FakePopen:
+    """Stands in for a child process: records its config and env, writes its output."""
+    seen: list = []
+
+    def __init__(self, cmd, env):
+        with open(cmd[-2]) as f:
+            cfg = json.load(f)
+        type(self).seen.append((cfg, env))
+        with open(cmd[-1], "w") as f:
+            json.dump({"outputs": [[cfg.get("tag", 0)]], "metrics": {}}, f)
+
+    def wait(self):
+        return 0
+
+
+def test_preempt_child_env_is_batch_invariant(monkeypatch):
     """The two runs are compared token for token, so each child must run with
     VLLM_BATCH_INVARIANT=1 unless --no-batch-invariant is given."""
-    seen = []
-
-    def fake_run(cmd, check, env):
-        seen.append(env.get("VLLM_BATCH_INVARIANT"))
-        with open(cmd[-1], "w") as f:
-            json.dump({"outputs": [], "metrics": {}}, f)
-
-    monkeypatch.setattr(preempt.subprocess, "run", fake_run)
+    _FakePopen.seen = []
+    monkeypatch.setattr(preempt.subprocess, "Popen", _FakePopen)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
     preempt.run_child({"model": "m"})
     preempt.run_child({"model": "m", "batch_invariant": False})
-    assert seen == ["1", None]
+    assert [env.get("VLLM_BATCH_INVARIANT") for _, env in _FakePopen.seen] == ["1", None]
+    # a lone child plans for the default share of GPU memory
+    assert all("gpu_memory_utilization" not in cfg for cfg, _ in _FakePopen.seen)
+
+
+def test_preempt_parallel_children_share_the_gpu_and_keep_their_order(monkeypatch):
+    _FakePopen.seen = []
+    monkeypatch.setattr(preempt.subprocess, "Popen", _FakePopen)
+    res = preempt.run_children([{"model": "m", "tag": k} for k in range(3)])
+    assert [r["outputs"] for r in res] == [[[0]], [[1]], [[2]]]
+    assert [cfg["gpu_memory_utilization"] for cfg, _ in _FakePopen.seen] == [0.3] * 3
+    roots = [env["VLLM_CACHE_ROOT"] for _, env in _FakePopen.seen]
+    assert len(set(roots)) == 3  # concurrent engines never share a compile cache
+
+
+def test_preempt_parallel_child_failure_raises(monkeypatch):
+    class Failing(_FakePopen):
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(preempt.subprocess, "Popen", Failing)
+    with pytest.raises(subprocess.CalledProcessError):
+        preempt.run_children([{"model": "m"}, {"model": "m"}])
 
 
 def test_scripts_show_help():
