@@ -75,7 +75,8 @@ class Engine:
     """vLLM's Scheduler with the OffloadingConnector(IonKVTier) + FakeWorker."""
 
     def __init__(self, model_dir, *, gpu_blocks, host_blocks, prefix_caching=False,
-                 store_lag=1, max_num_seqs=4, max_batched=256, extra=None):
+                 store_lag=1, max_num_seqs=4, max_batched=256, extra=None,
+                 async_scheduling=False):
         import torch
         from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
                                  SchedulerConfig, VllmConfig)
@@ -104,6 +105,9 @@ class Engine:
                                                 kv_connector_extra_config=extra_cfg),
         )
         vc.cache_config.num_gpu_blocks = gpu_blocks
+        # vLLM turns async scheduling on by default on CUDA; the CPU config here leaves it
+        # off, so a test that needs overlapping batches sets it as the GPU platform would.
+        vc.scheduler_config.async_scheduling = async_scheduling
         kvc = KVCacheConfig(
             num_blocks=gpu_blocks,
             kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * gpu_blocks,
@@ -491,3 +495,39 @@ def test_block_completed_by_the_final_token_is_not_stored(vllm_cpu, guard, monke
     assert [m for m in eng.matched if m[0] == "b"] == [("b", 0, 3 * BS)]
     assert b.num_output_tokens == 2
     eng.mgr.check_invariants()
+
+
+def test_async_scheduling_fences_freed_blocks_so_loads_need_not_wait(vllm_cpu):
+    """The worker's loads are not ordered after the compute stream (worker.py, "Load").
+    That is safe only because vLLM defers returning a finished or preempted request's
+    blocks to the pool while a step that may still write them is in flight, whenever
+    several batches overlap and the connector is a consumer (our kv_both).  If a vLLM
+    upgrade drops that fence, this fails and the load must wait again."""
+    eng = Engine(vllm_cpu, gpu_blocks=10, host_blocks=64, async_scheduling=True)
+    assert eng.sched.vllm_config.max_concurrent_batches > 1
+    assert eng.sched.defer_block_free
+    # and without overlapping batches there is nothing in flight to fence
+    assert not Engine(vllm_cpu, gpu_blocks=10, host_blocks=64).sched.defer_block_free
+
+
+def test_loads_are_not_ordered_after_the_compute_stream():
+    """Stores must wait for the compute stream (they read KV it just wrote); loads must
+    not (see the test above for why that is safe): waiting delayed every restore by up
+    to a forward step on the H200."""
+    from ion_vllm.kv_tier.runtime import SimRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    seen = {}
+
+    class Captured(IonKVTierWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen["w"] = self
+
+    rt = SimRuntime()
+    run_random_ops(11, 400, runtime=rt, worker_cls=Captured)
+    w = seen["w"]
+    assert w.stats.load_jobs > 0 and w.stats.store_jobs > 0
+    assert rt.current_waits.get(w._d2d.name, 0) > 0
+    assert rt.current_waits.get(w._load.name, 0) == 0

@@ -83,6 +83,8 @@ class SimRuntime:
         self.eager = eager
         self.streams: list[_SimStream] = []
         self.ops_run = 0
+        #: stream name -> how many times it was ordered after the compute stream
+        self.current_waits: dict[str, int] = {}
 
     def new_stream(self, high_priority: bool) -> _SimStream:
         s = _SimStream(f"s{len(self.streams)}{'h' if high_priority else 'l'}")
@@ -106,8 +108,9 @@ class SimRuntime:
         self._push(stream, ("wait", event))
 
     def wait_current(self, stream: _SimStream) -> None:
-        # Host-side test code produces KV data synchronously.
-        return
+        # Host-side test code produces KV data synchronously; only counted, so tests can
+        # check which copies are ordered after the compute stream.
+        self.current_waits[stream.name] = self.current_waits.get(stream.name, 0) + 1
 
     def query(self, event: _SimEvent) -> bool:
         return event.done
