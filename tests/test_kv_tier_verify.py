@@ -447,12 +447,16 @@ def test_run_child_sets_verify_env_only_for_the_verify_run(monkeypatch):
 
     seen = []
 
-    def fake_run(cmd, check, env):
-        seen.append(env.get(ENV_VERIFY))
-        with open(cmd[-1], "w") as f:
-            json.dump({"outputs": [], "metrics": {}}, f)
+    class FakePopen:  # a child that only records its environment and writes its output
+        def __init__(self, cmd, env):
+            seen.append(env.get(ENV_VERIFY))
+            with open(cmd[-1], "w") as f:
+                json.dump({"outputs": [], "metrics": {}}, f)
 
-    monkeypatch.setattr(preempt.subprocess, "run", fake_run)
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(preempt.subprocess, "Popen", FakePopen)
     monkeypatch.setenv(ENV_VERIFY, "1")
     preempt.run_child({"model": "m"})
     preempt.run_child({"model": "m", "verify": True})
