@@ -14,7 +14,7 @@
 #           ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
-#   kvtier  scripts/kv_tier_bench.py --colocate (ion, native, none: engines start together,
+#   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
 #           then measure one at a time)
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
@@ -67,7 +67,7 @@ fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
 if want kvtier; then
   step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
-    --configs "${KVTIER_CONFIGS:-ion,native,none}" --out "$out/kvtier"
+    --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" --out "$out/kvtier"
 fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \

@@ -4,7 +4,9 @@ whose reuse set is several times the HBM KV pool.
 
 Configs (each in a fresh process): `none` (no offload), `native` (vLLM
 OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored
-too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier).
+too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier),
+`ion-defer` (the same with ring_overflow=defer, the policy before 2026-11-29's fifth
+session, kept for A/B).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -38,6 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+#: Ion tier configs -> their ring_overflow policy (ion_vllm/kv_tier/worker.py)
+ION_CONFIGS = {"ion": "direct", "ion-defer": "defer"}
+CONFIGS = ("none", "native", *ION_CONFIGS)
 
 
 def has_weights(model_dir: str) -> bool:
@@ -77,12 +84,13 @@ def child(cfg: dict) -> dict:
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes,
                                           "offload_prompt_only": False}}
-    elif cfg["name"] == "ion":
+    elif cfg["name"] in ION_CONFIGS:
         kw["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-                "cpu_bytes_to_use": host_bytes, "ring_mib": cfg["ring_mib"]}}
+                "cpu_bytes_to_use": host_bytes, "ring_mib": cfg["ring_mib"],
+                "ring_overflow": ION_CONFIGS[cfg["name"]]}}
     llm = LLM(**kw)
     rng = random.Random(cfg["seed"])
     vocab = cfg["vocab"]
@@ -243,8 +251,9 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--attention-backend", default="ION")
     ap.add_argument("--configs", default="ion,native,none",
-                    help="run order; results are written after each, so a run cut short "
-                         "by a time limit keeps the first ones")
+                    help=f"run order, from {', '.join(CONFIGS)} (ion-defer: the Ion tier with "
+                         "ring_overflow=defer); results are written after each, so a run cut "
+                         "short by a time limit keeps the first ones")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
                     help="when sizing the HBM pool: reuse set / HBM pool")
@@ -265,6 +274,9 @@ def main() -> int:
                          "and PCIe to itself")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {CONFIGS}")
 
     from transformers import AutoConfig
 

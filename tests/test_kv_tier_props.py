@@ -12,15 +12,21 @@ from ion_vllm.kv_tier.testing import Corruption, run_random_ops
 from ion_vllm.kv_tier.worker import IonKVTierWorker, TorchCopier
 
 
+@pytest.mark.parametrize("overflow", ["direct", "defer"])
 @pytest.mark.parametrize("layout,seed", [("ion", 11), ("kv_first", 12)])
-def test_random_ops_10k(layout, seed):
-    r = run_random_ops(seed, 10_000, layout=layout)
+def test_random_ops_10k(layout, seed, overflow):
+    r = run_random_ops(seed, 10_000, layout=layout, overflow=overflow)
     assert sum(r.ops.values()) == 10_000
     # the run really exercised every path
     assert r.restored_blocks > 200 and r.verified_blocks > 0
     assert r.evicted_blocks > 0 and r.dropped_blocks > 0
     ws = r.worker_stats
-    assert ws["deferred_blocks"] > 0 and ws["bypass_blocks"] > 0
+    if overflow == "defer":  # ring full: blocks wait for slots, flushes bypass the ring
+        assert ws["deferred_blocks"] > 0 and ws["bypass_blocks"] > 0
+        assert ws["spill_blocks"] == 0
+    else:  # ring full: the rest goes GPU -> host at once; nothing waits, nothing bypasses
+        assert ws["spill_blocks"] > 0 and ws["d2d_blocks"] > 0
+        assert ws["deferred_blocks"] == 0 and ws["bypass_blocks"] == 0
     assert ws["ring_peak_slots"] == ws["ring_slots"]
 
 
@@ -29,7 +35,8 @@ def test_random_ops_configs(seed):
     rng = random.Random(seed)
     run_random_ops(100 + seed, 1500, layout=rng.choice(["ion", "kv_first"]),
                    num_gpu_blocks=rng.randint(12, 64), num_host_blocks=rng.randint(4, 80),
-                   ring_slots=rng.randint(1, 12), window=rng.randint(1, 40))
+                   ring_slots=rng.randint(1, 12), window=rng.randint(1, 40),
+                   overflow=rng.choice(["direct", "defer"]))
 
 
 def test_eager_runtime_never_defers_forever():

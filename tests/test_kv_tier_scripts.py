@@ -115,3 +115,11 @@ def test_preempt_offload_config_selects_spec():
     ext = nat["kv_connector_extra_config"]
     assert "spec_name" not in ext and ext["offload_prompt_only"] is False
     assert ext["cpu_bytes_to_use"] == 1 << 29
+
+
+def test_kv_tier_bench_configs_map_to_overflow_policies():
+    assert bench.ION_CONFIGS == {"ion": "direct", "ion-defer": "defer"}
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "kv_tier_bench.py")
+    r = subprocess.run([sys.executable, path, "/m", "--configs", "ion,bogus"],
+                       capture_output=True, text=True, check=False, timeout=120)
+    assert r.returncode == 2 and "unknown config" in r.stderr

@@ -161,3 +161,23 @@ def test_default_writeback_window_covers_several_prefill_steps():
     # an explicit max_inflight_mib still wins
     s3 = IonKVTierSpec(_cfg({"host_gib": 24, "max_inflight_mib": 64}, block_bytes=1 << 20))
     assert s3.max_inflight_blocks == 64
+
+
+def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    def worker_of(extra):
+        s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, **extra}, block_bytes=1 << 10))
+        t = torch.zeros((4, 1 << 10), dtype=torch.int8)
+        kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=1 << 10)],
+                               group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
+                                                                     page_size_bytes=1 << 10)]])
+        return s.get_worker(kv)
+
+    assert worker_of({}).overflow == "direct"  # the default: never idle PCIe behind a full ring
+    assert worker_of({"ring_overflow": "defer"}).overflow == "defer"
+    with pytest.raises(ValueError, match="ring_overflow"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_overflow": "drop"}))

@@ -37,14 +37,15 @@ class Rig:
     """A worker over a KVModel (2 layers, ION or K/V-first layout) on CPU."""
 
     def __init__(self, ring_slots=8, host_blocks=16, num_gpu=24, eager=False,
-                 layout="ion", verify=True, worker_cls=IonKVTierWorker, seed=0):
+                 layout="ion", verify=True, worker_cls=IonKVTierWorker, seed=0,
+                 overflow="direct"):
         self.kvm = KVModel(layout, num_gpu, seed=seed)
         self.slot = sum(c.page_size_bytes for c in self.kvm.canonical.tensors)
         self.rt = SimRuntime(eager=eager)
         self.w = worker_cls(self.kvm.canonical, num_host_blocks=host_blocks,
                             ring_bytes=ring_slots * self.slot, runtime=self.rt,
                             copier="torch", pin_memory=False, log_interval_s=0,
-                            verify=verify)
+                            verify=verify, overflow=overflow)
         self.truth = {}  # gpu block -> data written there
         self.job = 0
         self.done = set()  # job ids reported by get_finished
@@ -152,9 +153,30 @@ def test_ring_roundtrip_verifies_every_block(layout):
         assert r.kvm.equal(dst, r.truth[src])
 
 
-def test_bypass_roundtrip_verifies_every_block():
-    """A 1-slot ring whose drain has not run: the flush copies the rest directly."""
+def test_spill_roundtrip_verifies_every_block():
+    """overflow="direct": a 1-slot ring takes one block, the other three go GPU -> host at
+    submit; nothing is deferred, and the flush has nothing left to bypass."""
     r = Rig(ring_slots=1)
+    gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
+    r.fill(gpu)
+    j = r.store(gpu, host)
+    assert r.st.spill_blocks == 3 and r.st.d2d_blocks == 1 and r.st.deferred_blocks == 0
+    r.w.wait({j})
+    assert r.st.bypass_blocks == 0
+    for b in gpu:  # vLLM may reuse the source blocks now: the copies have read them
+        r.kvm.scrub(b)
+    r.finish(j)
+    r.finish(r.load(host, [0, 1, 2, 3]))
+    assert r.st.verified_blocks == 4 and r.st.verify_mismatch_blocks == 0
+    assert r.st.fingerprinted_store_blocks == 4
+    for src, dst in zip(gpu, [0, 1, 2, 3]):
+        assert r.kvm.equal(dst, r.truth[src])
+
+
+def test_bypass_roundtrip_verifies_every_block():
+    """overflow="defer": a 1-slot ring whose drain has not run: the flush copies the rest
+    directly."""
+    r = Rig(ring_slots=1, overflow="defer")
     gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
     r.fill(gpu)
     j = r.store(gpu, host)
@@ -182,24 +204,29 @@ def test_store_fingerprint_taken_before_source_reuse_on_ring_path():
     assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 0
 
 
-def test_random_ops_with_verify_all_paths():
+@pytest.mark.parametrize("overflow", ["direct", "defer"])
+def test_random_ops_with_verify_all_paths(overflow):
     for layout, seed in (("ion", 31), ("kv_first", 32)):
-        res = run_random_ops(seed, 3000, layout=layout,
+        res = run_random_ops(seed, 3000, layout=layout, overflow=overflow,
                              worker_cls=functools.partial(IonKVTierWorker, verify=True))
         ws = res.worker_stats
-        assert ws["bypass_blocks"] > 0 and ws["d2d_blocks"] > 0
+        direct = ws["spill_blocks"] if overflow == "direct" else ws["bypass_blocks"]
+        assert direct > 0 and ws["d2d_blocks"] > 0
         assert ws["verified_blocks"] == res.restored_blocks > 100
         assert ws["verify_mismatch_blocks"] == 0 and ws["verify_unknown_blocks"] == 0
 
 
 # ---- the check fails when it must ----------------------------------------------
-@pytest.mark.parametrize("path", ["ring", "bypass"])
+@pytest.mark.parametrize("path", ["ring", "bypass", "spill"])
 @pytest.mark.parametrize("where", ["first", "last", "layer1"])
 def test_one_corrupted_host_byte_is_detected(path, where, caplog):
-    r = Rig(ring_slots=8 if path == "ring" else 1)
+    r = Rig(ring_slots=8 if path == "ring" else 1,
+            overflow="defer" if path == "bypass" else "direct")
     gpu, host = [5, 6, 7], [2, 3, 4]
     r.fill(gpu)
     j = r.store(gpu, host)
+    if path == "spill":
+        assert r.st.spill_blocks == 2
     if path == "bypass":
         r.w.wait({j})
         assert r.st.bypass_blocks == 2
@@ -490,7 +517,7 @@ def test_verify_on_cuda_streams(copier):
     kvm = KVModel("ion", 16, device="cuda")
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
     w = IonKVTierWorker(kvm.canonical, num_host_blocks=8, ring_bytes=2 * slot,
-                        copier=copier, log_interval_s=0, verify=True)
+                        copier=copier, log_interval_s=0, verify=True, overflow="defer")
     for b in range(6):
         kvm.write(b, kvm.random_block())
     w.submit_store(1, GPULoadStoreSpec(list(range(6)), [6], [0]), IonHostSpec(list(range(6))))

@@ -16,6 +16,8 @@ kv_connector_extra_config keys:
   offload_prompt_only           default False here: every full block is stored,
                                 decode blocks included
   copier                        "auto" | "batch" | "torch"
+  ring_overflow                 "direct" (default) | "defer": what a store does with
+                                the blocks the ring has no room for (see worker.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -31,6 +33,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
+from ion_vllm.kv_tier.staging_ring import OVERFLOW_POLICIES
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
 
 logger = init_logger(__name__)
@@ -128,14 +131,19 @@ class IonKVTierSpec(OffloadingSpec):
             max(1, window_bytes // self.worker_block_bytes)
             if self.worker_block_bytes > 0 else 1)
         self.copier = str(extra.get("copier", "auto"))
+        self.ring_overflow = str(extra.get("ring_overflow", "direct"))
+        if self.ring_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"Ion KV tier: ring_overflow must be one of {OVERFLOW_POLICIES}, "
+                             f"not {self.ring_overflow!r}")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
-            "writeback window %d blocks, prompt_only=%s",
+            "writeback window %d blocks, prompt_only=%s, ring overflow %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
-            self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only)
+            self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
+            self.ring_overflow)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -158,6 +166,7 @@ class IonKVTierSpec(OffloadingSpec):
                 ring_bytes=self.ring_bytes,
                 copier=self.copier,
                 verify=self.verify,
+                overflow=self.ring_overflow,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

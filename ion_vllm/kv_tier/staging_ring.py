@@ -19,6 +19,11 @@ from collections import deque
 
 import torch
 
+#: what a store does with the blocks the ring has no room for: copy them GPU -> host at
+#: once ("direct", the default) or queue them for ring slots freed later ("defer");
+#: see ion_vllm/kv_tier/worker.py
+OVERFLOW_POLICIES = ("direct", "defer")
+
 
 class RingAllocator:
     """FIFO allocator of contiguous slot runs over ``num_slots`` slots."""

@@ -8,7 +8,8 @@ travel to Prometheus through ``OffloadingManager.get_stats()`` ->
 Prometheus metric per entry returned by ``IonKVTierSpec.build_metric_definitions``.
 
 Worker side (``IonKVTierWorker``): real ring occupancy, D2D / D2H / H2D bytes and
-seconds, deferred and bypassed blocks.  vLLM forwards only the per-job
+seconds, spilled (ring full at submit, ``overflow="direct"``), deferred and
+bypassed blocks.  vLLM forwards only the per-job
 ``TransferResult(transfer_size, transfer_time)`` from workers to the scheduler;
 the worker reports the *D2H drain* time for stores and the *H2D* time for
 loads there, so vLLM's own ``vllm:kv_offload_store_bytes / _store_time`` and
@@ -192,6 +193,9 @@ class WorkerStats:
     bypass_blocks: int = 0  # flushed GPU -> host directly (ring full at flush)
     bypass_bytes: int = 0
     bypass_seconds: float = 0.0
+    spill_blocks: int = 0  # ring full at submit: GPU -> host directly (overflow="direct")
+    spill_bytes: int = 0
+    spill_seconds: float = 0.0
     deferred_blocks: int = 0  # blocks that had to wait for ring space
     loaded_blocks: int = 0
     loaded_bytes: int = 0
@@ -209,8 +213,9 @@ class WorkerStats:
 
     @property
     def d2h_gbps(self) -> float:
-        t = self.drain_seconds + self.bypass_seconds
-        return (self.drained_bytes + self.bypass_bytes) / t / 1e9 if t > 0 else 0.0
+        t = self.drain_seconds + self.bypass_seconds + self.spill_seconds
+        b = self.drained_bytes + self.bypass_bytes + self.spill_bytes
+        return b / t / 1e9 if t > 0 else 0.0
 
     @property
     def h2d_gbps(self) -> float:

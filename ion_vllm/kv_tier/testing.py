@@ -110,6 +110,7 @@ def run_random_ops(
     copier: str = "torch",
     device: str = "cpu",
     runtime=None,
+    overflow: str = "direct",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -117,7 +118,8 @@ def run_random_ops(
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
     worker = worker_cls(kvm.canonical, num_host_blocks=num_host_blocks,
                         ring_bytes=ring_slots * slot + slot // 2, runtime=rt,
-                        copier=copier, pin_memory=(device == "cuda"), log_interval_s=0)
+                        copier=copier, pin_memory=(device == "cuda"), log_interval_s=0,
+                        overflow=overflow)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()
@@ -351,7 +353,8 @@ def run_random_ops(
     assert c.evicted_blocks == res.evicted_blocks, "evicted counter drift"
     assert c.store_dropped_blocks == res.dropped_blocks, "dropped counter drift"
     assert c.store_no_space_blocks == res.no_space_blocks, "no-space counter drift"
-    assert ws.drained_blocks + ws.bypass_blocks == res.stored_blocks, "worker store count drift"
+    assert ws.drained_blocks + ws.bypass_blocks + ws.spill_blocks == res.stored_blocks, \
+        "worker store count drift"
     assert ws.d2d_blocks == ws.drained_blocks, "ring d2d/drain count drift"
     assert ws.loaded_blocks == c.loaded_blocks == res.restored_blocks, "load count drift"
     assert ws.ring_peak_slots <= worker.ring.num_slots
