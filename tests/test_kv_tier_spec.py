@@ -181,3 +181,31 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
     assert worker_of({"ring_overflow": "defer"}).overflow == "defer"
     with pytest.raises(ValueError, match="ring_overflow"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_overflow": "drop"}))
+
+
+def test_worker_store_paths_reach_the_managers_metrics():
+    """Ring and spill block counts travel worker -> PROCESS_COUNTERS -> the spec's manager
+    stats -> Prometheus, so a GPU run shows which path its stores took."""
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+    from ion_vllm.kv_tier.stats import M
+    from ion_vllm.kv_tier.manager import IonHostSpec
+
+    nb = 1 << 10
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 16 * nb, "ring_mib": 2 * nb / (1 << 20)},
+                           block_bytes=nb))
+    mgr = s.get_manager()
+    mgr.get_stats()  # start from here
+    t = torch.randint(-100, 100, (8, nb), dtype=torch.int8)
+    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=nb)],
+                           group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=nb)]])
+    w = s.get_worker(kv)
+    assert w.ring.num_slots == 2
+    w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4], [5], [0]), IonHostSpec([0, 1, 2, 3, 4]))
+    red = mgr.get_stats().reduce()
+    assert red[M.RING_BLOCKS] == 2 and red[M.SPILL_BLOCKS] == 3
+    assert M.BYPASS_BLOCKS not in red and M.DEFERRED_BLOCKS not in red
+    assert torch.equal(w.host[:5], t[:5])  # the CPU runtime is synchronous

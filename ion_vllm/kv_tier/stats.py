@@ -16,6 +16,9 @@ loads there, so vLLM's own ``vllm:kv_offload_store_bytes / _store_time`` and
 ``vllm:kv_offload_load_bytes / _load_time`` give the measured GB/s.  The rest of
 the worker counters are read from ``worker.stats`` and logged periodically.
 
+The worker also adds the path each stored block took (ring, spill, deferred, bypass)
+to ``PROCESS_COUNTERS``, exported the same way as the verify counters below.
+
 Verify mode (``ION_KV_TIER_VERIFY=1``, see worker.py): the worker fingerprints
 every stored and every restored block and counts restored blocks checked
 (``verified_blocks``) and those whose bytes differ from what was stored
@@ -53,6 +56,11 @@ class M:
     HOST_USED_BYTES = PREFIX + "host_used_bytes"
     HOST_USAGE_PERC = PREFIX + "host_usage_perc"
     INFLIGHT_STORE_PERC = PREFIX + "inflight_store_window_perc"
+    # worker side: which path each stored block took (see module docstring)
+    RING_BLOCKS = PREFIX + "ring_blocks"
+    SPILL_BLOCKS = PREFIX + "spill_blocks"
+    DEFERRED_BLOCKS = PREFIX + "deferred_blocks"
+    BYPASS_BLOCKS = PREFIX + "bypass_blocks"
     # worker side, verify mode only (see module docstring)
     VERIFIED_BLOCKS = PREFIX + "verified_blocks"
     VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
@@ -111,6 +119,16 @@ def metric_definitions() -> dict[str, Any]:
             documentation="Ion KV tier: writeback blocks in flight / window size "
             "(0..1); >= ring share means the ring is full and later blocks wait."
         ),
+        M.RING_BLOCKS: C(documentation="Ion KV tier worker: blocks written back through "
+                         "the HBM staging ring (GPU->ring->host)."),
+        M.SPILL_BLOCKS: C(documentation="Ion KV tier worker: blocks copied GPU->host "
+                          "directly at submit because the ring was full "
+                          "(ring_overflow=direct)."),
+        M.DEFERRED_BLOCKS: C(documentation="Ion KV tier worker: blocks that waited for "
+                             "ring slots (ring_overflow=defer)."),
+        M.BYPASS_BLOCKS: C(documentation="Ion KV tier worker: deferred blocks copied "
+                           "GPU->host directly when vLLM flushed their job; the engine "
+                           "step waited for that copy."),
         M.VERIFIED_BLOCKS: C(
             documentation="Ion KV tier verify mode: restored blocks whose GPU bytes were "
             "fingerprinted after the host->GPU copy and compared with the fingerprint "
@@ -130,6 +148,10 @@ class ProcessCounters:
 
     verified_blocks: int = 0
     verify_mismatch_blocks: int = 0
+    ring_blocks: int = 0
+    spill_blocks: int = 0
+    deferred_blocks: int = 0
+    bypass_blocks: int = 0
 
     def snapshot(self) -> "ProcessCounters":
         return dataclasses.replace(self)
@@ -140,6 +162,10 @@ PROCESS_COUNTERS = ProcessCounters()
 _PROCESS_METRICS = (
     (M.VERIFIED_BLOCKS, "verified_blocks"),
     (M.VERIFY_MISMATCH_BLOCKS, "verify_mismatch_blocks"),
+    (M.RING_BLOCKS, "ring_blocks"),
+    (M.SPILL_BLOCKS, "spill_blocks"),
+    (M.DEFERRED_BLOCKS, "deferred_blocks"),
+    (M.BYPASS_BLOCKS, "bypass_blocks"),
 )
 
 

@@ -646,6 +646,7 @@ class IonKVTierWorker(OffloadingWorker):
             self._host_pending[h] = ev1
         self.stats.d2d_blocks += count
         self.stats.d2d_bytes += count * self.slot_bytes
+        PROCESS_COUNTERS.ring_blocks += count
         self.stats.ring_used_slots = self.ring.alloc.used
         self.stats.ring_peak_slots = max(self.stats.ring_peak_slots, self.ring.alloc.used)
 
@@ -671,6 +672,7 @@ class IonKVTierWorker(OffloadingWorker):
             self._host_pending[h] = ev1
         job.next_item = b
         self.stats.spill_blocks += b - a
+        PROCESS_COUNTERS.spill_blocks += b - a
         self.stats.spill_bytes += int(sum(self.group_bytes[g] for g in job.groups[a:b]))
 
     def _issue_bypass(self, job: _StoreJob) -> None:
@@ -693,6 +695,7 @@ class IonKVTierWorker(OffloadingWorker):
             self._host_pending[h] = ev1
         job.next_item = b
         self.stats.bypass_blocks += b - a
+        PROCESS_COUNTERS.bypass_blocks += b - a
         self.stats.bypass_bytes += int(sum(self.group_bytes[g] for g in job.groups[a:b]))
 
     def _pump(self) -> None:
@@ -714,6 +717,7 @@ class IonKVTierWorker(OffloadingWorker):
                 if not job.deferred_counted:
                     job.deferred_counted = True
                     self.stats.deferred_blocks += job.n - job.next_item
+                    PROCESS_COUNTERS.deferred_blocks += job.n - job.next_item
                 break
             self._queue.popleft()
         self.stats.ring_used_slots = self.ring.alloc.used
