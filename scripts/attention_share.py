@@ -90,7 +90,9 @@ def aggregate(kernels: list[tuple[str, float]], attn_pattern: str, top: int = 10
         cat_of[name] = classify(name, attn_pattern)
         cat_us[cat_of[name]] += us
     total = sum(cat_us.values())
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked_all = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    ranked = ranked_all[:top]
+    by_cat = {c: [kv for kv in ranked_all if cat_of[kv[0]] == c][:top] for c in CATEGORIES}
     return {
         "attn_pattern": attn_pattern,
         "num_kernels": len(kernels),
@@ -101,6 +103,9 @@ def aggregate(kernels: list[tuple[str, float]], attn_pattern: str, top: int = 10
         "top_kernels": [{"name": n, "category": cat_of[n], "us": us, "count": cnt,
                          "share": us / total if total else 0.0}
                         for n, (us, cnt) in ranked],
+        # the top kernels of each category: where two backends' non-attention time differs
+        "top_by_category": {c: [{"name": n, "us": us, "count": cnt} for n, (us, cnt) in kvs]
+                            for c, kvs in by_cat.items()},
     }
 
 
@@ -171,6 +176,11 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
                   "| kernel | category | ms | calls | share |", "|---|---|---|---|---|"]
         lines += [f"| `{k['name'][:110]}` | {k['category']} | {ms(k['us'])} | {k['count']} "
                   f"| {k['share']:.1%} |" for k in r["top_kernels"]]
+        other = r.get("top_by_category", {}).get("other", [])
+        if other:
+            lines += ["", f"{name}, top kernels of category `other`:", "",
+                      "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| `{k['name'][:110]}` | {ms(k['us'])} | {k['count']} |" for k in other]
     return "\n".join(lines) + "\n"
 
 

@@ -106,6 +106,9 @@ def test_aggregate_shares_and_top():
     assert [k["name"] for k in r["top_kernels"]] == [
         "nvjet_tst_128x192", "void flash::flash_fwd_kernel<T>(P)", "void vllm::rms_norm_kernel<bf16>"]
     assert r["top_kernels"][0]["count"] == 4 and r["top_kernels"][0]["us"] == 200.0
+    by = r["top_by_category"]
+    assert [k["name"] for k in by["other"]] == ["void vllm::rms_norm_kernel<bf16>"]
+    assert sum(k["us"] for k in by["attention"]) == pytest.approx(140.0)
     assert A.aggregate([], "x")["attention_share"] == 0.0
 
 
