@@ -66,7 +66,7 @@ if want e2e; then
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
 if want kvtier; then
-  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
+  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate --repeats 3 \
     --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" --out "$out/kvtier"
 fi
 if want share; then

@@ -92,17 +92,28 @@ def child(cfg: dict) -> dict:
                 "cpu_bytes_to_use": host_bytes, "ring_mib": cfg["ring_mib"],
                 "ring_overflow": ION_CONFIGS[cfg["name"]]}}
     llm = LLM(**kw)
-    rng = random.Random(cfg["seed"])
-    vocab = cfg["vocab"]
-    tok = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    convs = [tok(cfg["context_len"]) for _ in range(cfg["conversations"])]
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     # warm-up (not measured): compile/capture on an unrelated prompt
-    llm.generate([TokensPrompt(prompt_token_ids=tok(64))], sp, use_tqdm=False)
+    warm = random.Random(-1)
+    llm.generate([TokensPrompt(prompt_token_ids=[warm.randrange(10, cfg["vocab"])
+                                                 for _ in range(64)])], sp, use_tqdm=False)
     if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
         from ion_vllm.bench.start_gate import ready_then_wait
 
         ready_then_wait(cfg["gate_dir"], cfg["name"])
+    # repeat r draws its own conversations (seed + r): nothing of an earlier repeat is a
+    # prefix of it, so it starts from cold GPU and host caches for its own prompts
+    runs = [run_workload(llm, sp, cfg, cfg["seed"] + r, prometheus_sums, TokensPrompt)
+            for r in range(cfg.get("repeats", 1))]
+    return combine_repeats(cfg["name"], runs)
+
+
+def run_workload(llm, sp, cfg: dict, seed: int, prometheus_sums, TokensPrompt) -> dict:
+    """One pass of the multi-turn workload on a warm engine; its metrics are deltas."""
+    rng = random.Random(seed)
+    vocab = cfg["vocab"]
+    tok = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    convs = [tok(cfg["context_len"]) for _ in range(cfg["conversations"])]
     m0 = prometheus_sums()
     ttft: list[float] = []
     n_in = n_out = 0
@@ -131,7 +142,7 @@ def child(cfg: dict) -> dict:
 
     q = d.get("vllm:external_prefix_cache_queries", 0.0)
     return {
-        "config": cfg["name"], "requests": len(ttft), "wall_s": wall,
+        "config": cfg["name"], "seed": seed, "requests": len(ttft), "wall_s": wall,
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "output_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
         "prompt_tokens": n_in, "output_tokens": n_out,
@@ -144,6 +155,32 @@ def child(cfg: dict) -> dict:
         "tier_metrics": {k: v for k, v in d.items()
                          if ("kv_offload" in k or "ion_kv_tier" in k) and v},
     }
+
+
+#: fields of a config's result that are averaged over its repeats
+MEAN_FIELDS = ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "total_tok_s",
+               "gpu_prefix_hit_rate", "host_hit_rate", "d2h_gbps", "h2d_gbps", "preemptions")
+
+
+def combine_repeats(name: str, runs: list[dict]) -> dict:
+    """One config's result: the mean of each MEAN_FIELDS entry over its repeats (None when
+    any repeat has none), min/max of throughput and TTFT p50, the per-repeat records, and
+    summed token counts and tier metrics."""
+    out: dict = {"config": name, "repeats": len(runs), "runs": runs}
+    for k in MEAN_FIELDS:
+        vals = [r.get(k) for r in runs]
+        out[k] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+    for k in ("total_tok_s", "ttft_p50_ms"):
+        out[k + "_min"] = min(r[k] for r in runs)
+        out[k + "_max"] = max(r[k] for r in runs)
+    for k in ("requests", "prompt_tokens", "output_tokens"):
+        out[k] = sum(r[k] for r in runs)
+    tm: dict = {}
+    for r in runs:
+        for k, v in r["tier_metrics"].items():
+            tm[k] = tm.get(k, 0.0) + v
+    out["tier_metrics"] = tm
+    return out
 
 
 def run_child(cfg: dict) -> dict:
@@ -209,6 +246,13 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     for r in results:
         lines.append("| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(
             int(r[k]) if isinstance(r.get(k), float) else r.get(k)) for _, k, nd in cols) + " |")
+    multi = [r for r in results if r.get("repeats", 1) > 1]
+    if multi:
+        lines += ["", "Per repeat:", "", "| config | seed | TTFT p50 ms | total tok/s | host hit "
+                  "| preemptions |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {x['seed']} | {fmt(x['ttft_p50_ms'])} | "
+                  f"{fmt(x['total_tok_s'], 0)} | {fmt(x['host_hit_rate'], 3)} | "
+                  f"{fmt(x['preemptions'], 0)} |" for r in multi for x in r["runs"]]
     lines += [""] + bar_lines({r["config"]: r for r in results})
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -266,6 +310,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--wave", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="workload passes per config on the same engine, each with its own "
+                         "conversations (seed + r); the table shows means and min-max")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--colocate", action="store_true",
                     help="start every config's engine at once (each with 1/n of the GPU "
@@ -299,7 +346,7 @@ def main() -> int:
                 conversations=args.conversations, context_len=args.context_len,
                 user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
                 wave=args.wave, vocab=hf.vocab_size, seed=0,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, repeats=args.repeats)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,

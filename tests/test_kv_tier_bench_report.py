@@ -50,3 +50,24 @@ def test_results_written_after_each_config(tmp_path, monkeypatch):
         assert [r["config"] for r in saved] == calls
     md = (tmp_path / "results.md").read_text()
     assert "| none |" in md and "| native |" in md and "native total tok/s" in md
+
+
+def test_repeats_are_averaged_with_their_spread_and_listed(tmp_path):
+    def run(seed, tok_s, ttft, hit):
+        return {"config": "ion", "seed": seed, "requests": 4, "wall_s": 2.0,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "output_tok_s": tok_s / 10,
+                "total_tok_s": tok_s, "prompt_tokens": 100, "output_tokens": 10,
+                "gpu_prefix_hit_rate": 0.0, "host_hit_rate": hit, "d2h_gbps": 50.0,
+                "h2d_gbps": None if seed == 1 else 52.0, "preemptions": float(seed),
+                "tier_metrics": {"vllm:ion_kv_tier_spill_blocks": 10.0}}
+
+    r = bench.combine_repeats("ion", [run(0, 100.0, 30.0, 0.4), run(1, 120.0, 10.0, 0.5)])
+    assert r["repeats"] == 2 and r["total_tok_s"] == 110.0 and r["ttft_p50_ms"] == 20.0
+    assert (r["total_tok_s_min"], r["total_tok_s_max"]) == (100.0, 120.0)
+    assert r["host_hit_rate"] == 0.45 and r["h2d_gbps"] is None  # one repeat had none
+    assert r["prompt_tokens"] == 200 and r["tier_metrics"]["vllm:ion_kv_tier_spill_blocks"] == 20
+    args = SimpleNamespace(model="m", attention_backend="ION", host_gib=1.0, conversations=2,
+                           turns=1, context_len=8, user_len=1, max_tokens=1, wave=1)
+    lines = bench.write_results(str(tmp_path), {}, [r], args, 1 << 20, 4 << 20)
+    assert "Per repeat:" in lines
+    assert sum(1 for x in lines if x.startswith("| ion | ")) == 3  # mean row + 2 repeats
