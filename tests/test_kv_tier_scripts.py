@@ -123,3 +123,14 @@ def test_kv_tier_bench_configs_map_to_overflow_policies():
     r = subprocess.run([sys.executable, path, "/m", "--configs", "ion,bogus"],
                        capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 2 and "unknown config" in r.stderr
+
+
+def test_preempt_fp32_children_run_without_tf32(monkeypatch):
+    _FakePopen.seen = []
+    monkeypatch.setattr(preempt.subprocess, "Popen", _FakePopen)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    preempt.run_child({"model": "m", "dtype": "float32"})
+    preempt.run_child({"model": "m", "dtype": "auto"})
+    (_, fp32), (_, auto) = _FakePopen.seen
+    assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["NVIDIA_TF32_OVERRIDE"] == "0"
+    assert "TRITON_F32_DEFAULT" not in auto
