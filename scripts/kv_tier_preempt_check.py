@@ -111,8 +111,9 @@ M_VERIFY_MISMATCH = "vllm:ion_kv_tier_verify_mismatch_blocks"
 
 
 #: float32 runs: no TF32 anywhere (cuBLAS / cuDNN, torch matmuls, and Triton's tl.dot,
-#: whose fp32 default is TF32).  TF32 rounds inputs to 10 mantissa bits, so two batch compositions whose sums
-#: differ in the last fp32 bit can round differently, and greedy near-ties flip again.
+#: whose fp32 default is TF32).  TF32 rounds inputs to 10 mantissa bits, so two batch
+#: compositions whose sums differ in the last fp32 bit can round differently, and greedy
+#: near-ties flip again.
 #: The first fp32 run (with TF32) left 1 tier and 2 control mismatches of 96.
 FP32_STRICT_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "TRITON_F32_DEFAULT": "ieee",
                    "VLLM_FLOAT32_MATMUL_PRECISION": "highest"}
