@@ -96,12 +96,24 @@ def consumers_for_tile_m(tile_m: int) -> int:
 
 
 def ctas_per_sm_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
-    """Resident CTAs per SM of the persistent grid: 2 for the default (256-thread) kernels,
-    1 for the 384-thread consumers=2 kernels and for 128-token pages (two 128-row K/V
-    stages of K and V take 128 KiB of shared memory, so a second CTA would not fit)."""
-    if _check_consumers(consumers) == 2 or page_size > PAGE_SIZE:
+    """Resident CTAs per SM of the persistent grid: 2 for the 256-thread (consumers=1)
+    kernels, whatever the page size (see ``kv_stages_for``), 1 for the 384-thread
+    consumers=2 kernels."""
+    if _check_consumers(consumers) == 2:
         return 1
     return CTAS_PER_SM
+
+
+def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
+    """K/V pipeline stages of a kernel.  2, except 128-token pages on one consumer
+    warpgroup: two stages of 128-row K and V tiles (128 KiB of shared memory) left room
+    for one CTA per SM, and the H200 measured that losing the second CTA costs more than
+    the wider tiles gain (mixed step +35%, prefill only -1.5%; bench/notes.md, v7).  With
+    one stage a CTA needs 96 KiB (D = 128), two CTAs fit, and the second CTA's loads
+    overlap the first one's MMAs as on 64-token pages."""
+    if _check_consumers(consumers) == 1 and page_size > PAGE_SIZE:
+        return 1
+    return 2
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
@@ -115,12 +127,13 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2)
     ctas = ctas_per_sm_for(1, variant.page_size)
+    stages = kv_stages_for(1, variant.page_size)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=ctas,
-                                unpacked_prefill=True)
+                                unpacked_prefill=True, kv_stages=stages)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
-                            variant.page_size, ctas_per_sm=ctas)
+                            variant.page_size, ctas_per_sm=ctas, kv_stages=stages)
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):

@@ -586,7 +586,7 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
 
     b = IonAttentionMetadataBuilder(kv_spec(128), [], cfg, torch.device("cpu"))
     assert b.page_size == 128 and b.plan.page_size == 128
-    assert b.num_ctas == backend_mod._HOPPER_SMS_DEFAULT  # one CTA per SM
+    assert b.num_ctas == 2 * backend_mod._HOPPER_SMS_DEFAULT  # two CTAs per SM, one KV stage
     with pytest.raises(ValueError, match="block size of 128"):
         IonAttentionMetadataBuilder(kv_spec(64), [], cfg, torch.device("cpu"))
     bt = torch.arange(2 * 80, dtype=torch.int32).reshape(2, 80)  # helper slots count 64-pages

@@ -32,20 +32,39 @@ def test_variant_for_admits_128_token_pages_only_when_asked():
     assert variant_for(torch.float16, 64, 1, 64).page_size == 64
 
 
-def test_128_token_pages_run_one_cta_per_sm():
-    """Two stages of 128-row K and V tiles are 128 KiB of shared memory: no second CTA."""
-    assert attention.ctas_per_sm_for(1) == 2
-    assert attention.ctas_per_sm_for(1, 128) == 1
-    assert attention.ctas_per_sm_for(2, 128) == 1
+def test_128_token_pages_run_two_ctas_on_one_kv_stage():
+    """One consumer warpgroup on 128-token pages: one K/V stage, two CTAs per SM (the
+    two-stage, one-CTA form lost 35% on mixed steps on the H200); two consumer
+    warpgroups keep two stages and one CTA."""
+    assert attention.ctas_per_sm_for(1) == 2 and attention.kv_stages_for(1) == 2
+    assert attention.ctas_per_sm_for(1, 128) == 2 and attention.kv_stages_for(1, 128) == 1
+    assert attention.ctas_per_sm_for(2, 128) == 1 and attention.kv_stages_for(2, 128) == 2
     k = attention.make_kernel(Variant("bfloat16", 128, 8, 128), unpacked=True)
-    assert k.ctas_per_sm == 1 and k.page == 128
+    assert k.ctas_per_sm == 2 and k.page == 128 and k.kv_stages == 1
+    k2 = attention.make_kernel(Variant("bfloat16", 128, 8, 128), unpacked=True, consumers=2)
+    assert k2.ctas_per_sm == 1 and k2.kv_stages == 2
     assert attention.make_kernel(Variant("bfloat16", 128, 8, 64)).ctas_per_sm == 2
+
+
+#: shared memory an SM gives its resident CTAs (H100/H200: 228 KiB, 1 KiB reserved per CTA)
+SM90_SMEM_PER_SM = 228 * 1024
+
+
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("d", [64, 128])
+def test_resident_ctas_fit_in_shared_memory(page, consumers, d):
+    """K and V stages plus the Q buffers (+ 1 KiB of barriers and reserve per CTA) of every
+    resident CTA fit in one SM's shared memory: the grid's ctas_per_sm is real."""
+    k = attention.make_kernel(Variant("bfloat16", d, 8, page), consumers=consumers)
+    per_cta = 2 * k.kv_stages * page * d * 2 + k.q_bufs * 64 * d * 2 + 2 * 1024
+    assert k.ctas_per_sm * per_cta <= SM90_SMEM_PER_SM, (k.ctas_per_sm, per_cta)
 
 
 def test_device_plan_records_its_page_size_and_grid():
     qsl = np.array([0, 1, 2, 2050], dtype=np.int32)
     sl = np.array([9000, 300, 2048], dtype=np.int32)
-    for page, tile_m, ctas in ((64, 64, 264), (128, 64, 132), (128, 128, 132)):
+    for page, tile_m, ctas in ((64, 64, 264), (128, 64, 264), (128, 128, 132)):
         p = attention.make_device_plan(qsl, sl, num_kv_heads=4, group_size=7, page_size=page,
                                        head_dim=128, device="cpu", tile_m=tile_m,
                                        unpacked_prefill=True)

@@ -328,9 +328,11 @@ def prepare_ion_auto_p128(case: Case, rot: int, device, shared: dict) -> Prepare
     """``ion-auto`` over a cache of 128-token pages: 128-row K/V tiles, one TMA box and
     one QK^T of m64n128k16 wgmmas per stage, half the per-tile softmax / rescale / barrier
     overhead of 64-token pages.  An experiment (``experimental_pages``; the vLLM backend
-    runs 64-token pages): it measures whether wider KV tiles close the prefill gap to FA3
-    before the kernel learns to pair two 64-token pages per stage.  Its output is checked
-    against FA3 like every backend's (``rel_err_vs_fa3``)."""
+    runs 64-token pages): it measures whether wider KV tiles close the prefill gap to FA3.
+    Since the fifth session it runs one K/V stage with two CTAs per SM
+    (``attention.kv_stages_for``); ``session5/kernel-ab`` measured the earlier two-stage,
+    one-CTA form.  Its output is checked against FA3 like every backend's
+    (``rel_err_vs_fa3``)."""
     import dataclasses
 
     c128 = dataclasses.replace(case, ion_page=128)
