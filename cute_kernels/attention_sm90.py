@@ -13,7 +13,9 @@ CTA layout (256 threads, two warpgroups):
     box (Gp heads x tokens_per_tile tokens x D) and, per KV page, one K box and one V box
     (``page x D``: one page of one KV head is exactly one TMA box in the ION HND layout).
     Loads complete on mbarriers of three shared-memory pipelines (Q, K and V, two stages
-    each), so the producer runs up to two pages ahead of the math.
+    each by default), so the producer runs up to two pages ahead of the math.  (128-token
+    pages use one K/V stage, ``kv_stages=1``, so that two CTAs fit per SM; see
+    ``attention.kv_stages_for``.)
   * warpgroup 1 -- consumer.  S = Q K^T on wgmma (A and B from shared memory), online softmax
     in fp32 registers (exp2, causal / length masking on boundary pages only), P converted to
     16-bit in registers and O += P V on wgmma (A from registers, B = V from shared memory),
