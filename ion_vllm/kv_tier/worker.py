@@ -653,50 +653,41 @@ class IonKVTierWorker(OffloadingWorker):
     def _issue_spill(self, job: _StoreJob) -> None:
         """``overflow="direct"``: the job's remaining blocks GPU -> host now, on the drain
         stream (low priority) after the compute stream that produced them."""
-        rt, cp = self.rt, self.copier
-        a, b = job.next_item, job.n
-        if a >= b:
-            return
-        rt.wait_current(self._drain)
-        ev0 = rt.record(self._drain)
-        for g, i0, i1 in _group_runs(job.groups, a, b):
-            gids, hids = job.gpu[i0:i1], job.host[i0:i1]
-            rt.launch(self._drain, lambda g=g, gids=gids, hids=hids:
-                      cp.to_host(self.host, g, gids, hids))
-        fp = self._launch_store_fingerprint(self._drain, job, a, b) if self.verify else None
-        ev1 = rt.record(self._drain)
-        if fp is not None:
-            fp.event = ev1
-        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp, spill=True))
-        for h in job.host[a:b].tolist():
-            self._host_pending[h] = ev1
-        job.next_item = b
-        self.stats.spill_blocks += b - a
-        PROCESS_COUNTERS.spill_blocks += b - a
-        self.stats.spill_bytes += int(sum(self.group_bytes[g] for g in job.groups[a:b]))
+        n, nbytes = self._issue_direct(job, self._drain, spill=True)
+        self.stats.spill_blocks += n
+        self.stats.spill_bytes += nbytes
+        PROCESS_COUNTERS.spill_blocks += n
 
     def _issue_bypass(self, job: _StoreJob) -> None:
+        """A flush of a job with deferred blocks: copy them GPU -> host now, on the
+        high-priority stream (``wait`` then blocks on it)."""
+        n, nbytes = self._issue_direct(job, self._d2d, spill=False)
+        self.stats.bypass_blocks += n
+        self.stats.bypass_bytes += nbytes
+        PROCESS_COUNTERS.bypass_blocks += n
+
+    def _issue_direct(self, job: _StoreJob, stream: Any, spill: bool) -> tuple[int, int]:
+        """The job's blocks not yet issued, GPU -> host on ``stream`` after the compute
+        stream, as one piece; returns (blocks, bytes) issued."""
         rt, cp = self.rt, self.copier
         a, b = job.next_item, job.n
         if a >= b:
-            return
-        rt.wait_current(self._d2d)
-        ev0 = rt.record(self._d2d)
+            return 0, 0
+        rt.wait_current(stream)
+        ev0 = rt.record(stream)
         for g, i0, i1 in _group_runs(job.groups, a, b):
             gids, hids = job.gpu[i0:i1], job.host[i0:i1]
-            rt.launch(self._d2d, lambda g=g, gids=gids, hids=hids:
+            rt.launch(stream, lambda g=g, gids=gids, hids=hids:
                       cp.to_host(self.host, g, gids, hids))
-        fp = self._launch_store_fingerprint(self._d2d, job, a, b) if self.verify else None
-        ev1 = rt.record(self._d2d)
+        fp = self._launch_store_fingerprint(stream, job, a, b) if self.verify else None
+        ev1 = rt.record(stream)
         if fp is not None:
             fp.event = ev1
-        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp))
+        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp, spill=spill))
         for h in job.host[a:b].tolist():
             self._host_pending[h] = ev1
         job.next_item = b
-        self.stats.bypass_blocks += b - a
-        PROCESS_COUNTERS.bypass_blocks += b - a
-        self.stats.bypass_bytes += int(sum(self.group_bytes[g] for g in job.groups[a:b]))
+        return b - a, int(sum(self.group_bytes[g] for g in job.groups[a:b]))
 
     def _pump(self) -> None:
         rt = self.rt
