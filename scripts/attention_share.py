@@ -271,7 +271,7 @@ def run_backends_colocated(args, backends: list[str], trace_dirs: dict[str, str]
     dir, which the caller reads as in the sequential path."""
     import tempfile
 
-    from ion_vllm.bench.start_gate import GatedChild, gpu_memory_fraction, run_gated
+    from ion_vllm.bench.start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
 
     with tempfile.TemporaryDirectory() as gate:
         kids = []
@@ -280,9 +280,9 @@ def run_backends_colocated(args, backends: list[str], trace_dirs: dict[str, str]
                    "gpu_memory_utilization": gpu_memory_fraction(len(backends)),
                    "kv_cache_memory_bytes": int(args.kv_cache_gib * (1 << 30))}
             os.makedirs(trace_dirs[b], exist_ok=True)
-            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(gate, f"cache-{b}"))
             kids.append(GatedChild(b, child_argv(cfg, os.path.join(trace_dirs[b],
-                                                                   "child_result.json")), env))
+                                                                   "child_result.json")),
+                                   engine_env(gate, b)))
         run_gated(kids, gate)
 
 

@@ -63,8 +63,6 @@ def pct(xs: list[float], p: float) -> float:
 
 def child(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
-
-    from ion_vllm.kv_tier.stats import prometheus_sums
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=cfg["model"], seed=0, kv_cache_memory_bytes=cfg["kv_bytes"],
@@ -103,13 +101,16 @@ def child(cfg: dict) -> dict:
         ready_then_wait(cfg["gate_dir"], cfg["name"])
     # repeat r draws its own conversations (seed + r): nothing of an earlier repeat is a
     # prefix of it, so it starts from cold GPU and host caches for its own prompts
-    runs = [run_workload(llm, sp, cfg, cfg["seed"] + r, prometheus_sums, TokensPrompt)
-            for r in range(cfg.get("repeats", 1))]
+    runs = [run_workload(llm, sp, cfg, cfg["seed"] + r) for r in range(cfg.get("repeats", 1))]
     return combine_repeats(cfg["name"], runs)
 
 
-def run_workload(llm, sp, cfg: dict, seed: int, prometheus_sums, TokensPrompt) -> dict:
+def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     """One pass of the multi-turn workload on a warm engine; its metrics are deltas."""
+    from vllm.inputs import TokensPrompt
+
+    from ion_vllm.kv_tier.stats import prometheus_sums
+
     rng = random.Random(seed)
     vocab = cfg["vocab"]
     tok = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
@@ -197,7 +198,7 @@ def run_colocated(base: dict, names: list[str], on_result) -> None:
     """--colocate: every config's engine starts at once (each planning for 1/n of the GPU
     memory; separate compile caches), then they measure one at a time, in order (see
     ion_vllm.bench.start_gate).  ``on_result(result)`` gets each config's result dict."""
-    from ion_vllm.bench.start_gate import GatedChild, gpu_memory_fraction, run_gated
+    from ion_vllm.bench.start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
 
     with tempfile.TemporaryDirectory() as d:
         frac = gpu_memory_fraction(len(names))
@@ -207,9 +208,8 @@ def run_colocated(base: dict, names: list[str], on_result) -> None:
             with open(cpath, "w") as f:
                 json.dump({**base, "name": name, "gate_dir": d,
                            "gpu_memory_utilization": frac}, f)
-            env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(d, f"cache-{name}"))
             children.append(GatedChild(name, [sys.executable, __file__, "--child", cpath,
-                                              outs[name]], env))
+                                              outs[name]], engine_env(d, name)))
 
         def done(name: str, rc: int) -> None:
             if rc == 0 and os.path.exists(outs[name]):

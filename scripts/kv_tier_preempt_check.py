@@ -139,7 +139,7 @@ def run_children(cfgs: list[dict]) -> list[dict]:
     """Run each config in its own process, all at once (each told to plan for 1/n of the
     GPU memory when there are several); return their results in order.  Correctness
     runs: nothing here is timed, so they may share the GPU."""
-    from ion_vllm.bench.start_gate import gpu_memory_fraction
+    from ion_vllm.bench.start_gate import engine_env, gpu_memory_fraction
 
     frac = gpu_memory_fraction(len(cfgs)) if len(cfgs) > 1 else None
     with tempfile.TemporaryDirectory() as d:
@@ -152,7 +152,7 @@ def run_children(cfgs: list[dict]) -> list[dict]:
                 json.dump(cfg, f)
             env = child_env(cfg)
             if frac is not None:  # concurrent engines: separate compile caches
-                env["VLLM_CACHE_ROOT"] = os.path.join(d, f"cache{k}")
+                env = engine_env(d, str(k), env)
             procs.append(subprocess.Popen([sys.executable, __file__, "--child", cpath, opath],
                                           env=env))
             outs.append(opath)

@@ -76,3 +76,13 @@ def test_gpu_memory_fraction():
     assert gpu_memory_fraction(4) == 0.22
     with pytest.raises(ValueError):
         gpu_memory_fraction(0)
+
+
+def test_engine_env_gives_each_engine_its_own_compile_cache(tmp_path):
+    from ion_vllm.bench.start_gate import engine_env
+
+    a, b = engine_env(str(tmp_path), "a"), engine_env(str(tmp_path), "b", {"X": "1"})
+    assert a["VLLM_CACHE_ROOT"] != b["VLLM_CACHE_ROOT"]
+    assert a["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and b == {
+        "X": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache-b")}
+    assert a.get("PATH") == os.environ.get("PATH")  # the base is the process environment

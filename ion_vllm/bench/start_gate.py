@@ -34,6 +34,14 @@ def gpu_memory_fraction(n_engines: int) -> float:
     return (TOTAL_GPU_FRACTION_PCT // n_engines) / 100
 
 
+def engine_env(work_dir: str, name: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one of several engines that start at the same time: its own
+    vLLM cache root (torch.compile artifacts), so concurrent compiles never write into
+    one cache directory.  ``env``: the base environment (default ``os.environ``)."""
+    return dict(os.environ if env is None else env,
+                VLLM_CACHE_ROOT=os.path.join(work_dir, f"cache-{name}"))
+
+
 def ready_then_wait(gate_dir: str, name: str, poll_s: float = 0.05,
                     timeout_s: float | None = None) -> None:
     """Child side: announce readiness, then block until the parent says go."""
