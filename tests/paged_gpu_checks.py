@@ -22,11 +22,21 @@ HEAD_IDS = ["g7", "g8", "g1"]
 LONG_CTX = (0, 1, 37, 64, 100, 127, 128, 1000)
 
 
-def random_mixed_batch(rng, n_long: int, page: int, long_ctx=LONG_CTX):
+#: new-token counts of the page-boundary rows random_mixed_batch draws (64/128-row q-tile
+#: boundaries and their neighbours)
+BOUNDARY_Q = (1, 8, 9, 63, 64, 65, 127, 128, 129)
+
+
+def _long_q_any(rng) -> int:
+    return int(rng.integers(200, 700))
+
+
+def random_mixed_batch(rng, n_long: int, page: int, long_ctx=LONG_CTX,
+                       boundary_q=BOUNDARY_Q, long_q=_long_q_any):
     """(q_lens, seq_lens) of a random mixed step: decode rows, prefill chunks whose cached
     prefix is not a page multiple, rows with 0 new tokens, fresh prefills, lengths at page
-    and 64/128-row q-tile boundaries, plus ``n_long`` long prefill chunks whose cached
-    context is drawn from ``long_ctx``."""
+    boundaries with new-token counts from ``boundary_q``, plus ``n_long`` long prefill
+    chunks of ``long_q(rng)`` new tokens whose cached context is drawn from ``long_ctx``."""
     q_lens, seq_lens = [], []
     for _ in range(int(rng.integers(3, 8))):
         kind = int(rng.integers(0, 5))
@@ -42,11 +52,11 @@ def random_mixed_batch(rng, n_long: int, page: int, long_ctx=LONG_CTX):
             L = ql
         else:  # page boundary lengths
             L = page * int(rng.integers(1, 6)) + int(rng.integers(-1, 2))
-            ql = int(min(L, rng.choice([1, 8, 9, 63, 64, 65, 127, 128, 129])))
+            ql = int(min(L, rng.choice(list(boundary_q))))
         q_lens.append(ql)
         seq_lens.append(L)
     for _ in range(n_long):
-        ql = int(rng.integers(200, 700))
+        ql = long_q(rng)
         ctx = int(rng.choice(list(long_ctx)))
         pos = int(rng.integers(0, len(q_lens) + 1))
         q_lens.insert(pos, ql)

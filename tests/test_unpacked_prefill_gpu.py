@@ -29,7 +29,7 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, TOL
+from paged_gpu_checks import CHEAP_SPLIT, TOL, random_mixed_batch
 from paged_gpu_checks import check_out as _check_out
 
 P = 64
@@ -38,31 +38,9 @@ P = 64
 def _random_batch(rng, n_long):
     """Mixed batch with ``n_long`` long prefill rows (q a multiple of 64, so they are
     unpacked for G = 7 and G = 3) among decode / chunk / empty rows."""
-    q_lens, seq_lens = [], []
-    for _ in range(int(rng.integers(3, 8))):
-        kind = int(rng.integers(0, 5))
-        if kind == 0:  # decode
-            ql, L = 1, int(rng.integers(1, 900))
-        elif kind == 1:  # prefill chunk, ctx not a page multiple
-            ql = int(rng.integers(2, 300))
-            L = ql + int(rng.integers(1, 400))
-        elif kind == 2:  # 0 new tokens (request with nothing to do this step)
-            ql, L = 0, int(rng.integers(0, 200))
-        elif kind == 3:  # fresh prefill
-            ql = int(rng.integers(1, 250))
-            L = ql
-        else:  # page-boundary lengths
-            L = P * int(rng.integers(1, 6)) + int(rng.integers(-1, 2))
-            ql = int(min(L, rng.choice([1, 63, 64, 65, 128])))
-        q_lens.append(ql)
-        seq_lens.append(L)
-    for _ in range(n_long):
-        ql = 64 * int(rng.integers(2, 9))
-        ctx = int(rng.choice([0, 1, 37, 64, 100, 1000]))
-        pos = int(rng.integers(0, len(q_lens) + 1))
-        q_lens.insert(pos, ql)
-        seq_lens.insert(pos, ql + ctx)
-    return q_lens, seq_lens
+    return random_mixed_batch(rng, n_long, P, long_ctx=(0, 1, 37, 64, 100, 1000),
+                              boundary_q=(1, 63, 64, 65, 128),
+                              long_q=lambda r: 64 * int(r.integers(2, 9)))
 
 
 def _device_plan(qsl, sl, hkv, g, d, *, unpacked, force_split=False, fresh_kv=False):
