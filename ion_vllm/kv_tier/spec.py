@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
-from ion_vllm.kv_tier.staging_ring import OVERFLOW_POLICIES
+from ion_vllm.kv_tier.staging_ring import check_overflow
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
 
 logger = init_logger(__name__)
@@ -131,10 +131,8 @@ class IonKVTierSpec(OffloadingSpec):
             max(1, window_bytes // self.worker_block_bytes)
             if self.worker_block_bytes > 0 else 1)
         self.copier = str(extra.get("copier", "auto"))
-        self.ring_overflow = str(extra.get("ring_overflow", "direct"))
-        if self.ring_overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"Ion KV tier: ring_overflow must be one of {OVERFLOW_POLICIES}, "
-                             f"not {self.ring_overflow!r}")
+        self.ring_overflow = check_overflow(str(extra.get("ring_overflow", "direct")),
+                                            "ring_overflow")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None

@@ -25,6 +25,15 @@ import torch
 OVERFLOW_POLICIES = ("direct", "defer")
 
 
+def check_overflow(policy: str, name: str = "overflow") -> str:
+    """``policy`` if it is one of OVERFLOW_POLICIES, else a ValueError naming ``name`` (the
+    spec's config key or the worker's argument)."""
+    if policy not in OVERFLOW_POLICIES:
+        raise ValueError(f"Ion KV tier: {name} must be one of {OVERFLOW_POLICIES}, "
+                         f"not {policy!r}")
+    return policy
+
+
 class RingAllocator:
     """FIFO allocator of contiguous slot runs over ``num_slots`` slots."""
 

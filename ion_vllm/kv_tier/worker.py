@@ -101,7 +101,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
-from ion_vllm.kv_tier.staging_ring import OVERFLOW_POLICIES, StagingRing
+from ion_vllm.kv_tier.staging_ring import StagingRing, check_overflow
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -462,10 +462,7 @@ class IonKVTierWorker(OffloadingWorker):
         verify: bool | None = None,
         overflow: str = "direct",
     ):
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"Ion KV tier: overflow must be one of {OVERFLOW_POLICIES}, "
-                             f"not {overflow!r}")
-        self.overflow = overflow
+        self.overflow = check_overflow(overflow)
         if not kv_caches.tensors:
             raise ValueError("no KV cache tensors")
         self.tensors = [c.tensor for c in kv_caches.tensors]
