@@ -95,13 +95,15 @@ def child(cfg: dict) -> dict:
     warm = random.Random(-1)
     llm.generate([TokensPrompt(prompt_token_ids=[warm.randrange(10, cfg["vocab"])
                                                  for _ in range(64)])], sp, use_tqdm=False)
-    if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
-        from ion_vllm.bench.start_gate import ready_then_wait
-
-        ready_then_wait(cfg["gate_dir"], cfg["name"])
     # repeat r draws its own conversations (seed + r): nothing of an earlier repeat is a
     # prefix of it, so it starts from cold GPU and host caches for its own prompts
-    runs = [run_workload(llm, sp, cfg, cfg["seed"] + r) for r in range(cfg.get("repeats", 1))]
+    runs = []
+    for r in range(cfg.get("repeats", 1)):
+        if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
+            from ion_vllm.bench.start_gate import ready_then_wait
+
+            ready_then_wait(cfg["gate_dir"], cfg["name"], r)
+        runs.append(run_workload(llm, sp, cfg, cfg["seed"] + r))
     return combine_repeats(cfg["name"], runs)
 
 
@@ -196,8 +198,9 @@ def run_child(cfg: dict) -> dict:
 
 def run_colocated(base: dict, names: list[str], on_result) -> None:
     """--colocate: every config's engine starts at once (each planning for 1/n of the GPU
-    memory; separate compile caches), then they measure one at a time, in order (see
-    ion_vllm.bench.start_gate).  ``on_result(result)`` gets each config's result dict."""
+    memory; separate compile caches); once all are up, they measure one at a time, the
+    repeats interleaved (config order, once per repeat; see ion_vllm.bench.start_gate).
+    ``on_result(result)`` gets each config's result dict."""
     from ion_vllm.bench.start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
 
     with tempfile.TemporaryDirectory() as d:
@@ -218,7 +221,7 @@ def run_colocated(base: dict, names: list[str], on_result) -> None:
             else:
                 on_result({"config": name, "error": f"child exited {rc}"})
 
-        run_gated(children, d, on_done=done)
+        run_gated(children, d, on_done=done, rounds=base.get("repeats", 1))
 
 
 def fmt(v, nd=1):
