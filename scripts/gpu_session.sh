@@ -15,11 +15,11 @@
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
-#           then measure one at a time)
+#           then, once all are up, measure one at a time, repeats interleaved)
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in run order), E2E_BACKENDS,
-# E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
+# E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
 set -uo pipefail
@@ -66,7 +66,8 @@ if want e2e; then
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
 if want kvtier; then
-  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate --repeats 3 \
+  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
+    --repeats "${KVTIER_REPEATS:-3}" \
     --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" --out "$out/kvtier"
 fi
 if want share; then
