@@ -33,7 +33,10 @@ import time
 from collections import defaultdict
 
 ATTN_PATTERNS = {  # backend -> kernels that are its attention (cache write + attention + combine)
-    "ION": r"IonAttentionSm90|CombineSm90|KVAppendKernel|(?i:append)",
+    # Combine\w*Sm90: the group combine (CombineSm90) and the row combine (CombineRowsSm90,
+    # the default since the fourth session; missing here until the sixth, which put its
+    # 70 ms under "other")
+    "ION": r"IonAttentionSm90|Combine\w*Sm90|KVAppendKernel|(?i:append)",
     "FLASH_ATTN": r"flash_fwd|FlashAttn|flash::|reshape_and_cache",
 }
 GENERIC_ATTN = "|".join(ATTN_PATTERNS.values())

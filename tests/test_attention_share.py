@@ -16,6 +16,9 @@ ION_KERNELS = {  # name -> (category, duration us per call)
     "kernel_cutlass_kernel_cute_kernelsappend_sm90KVAppendKernel_object_at__0": "attention",
     "kernel_cutlass_kernel_cute_kernelsattention_sm90IonAttentionSm90_object_at__1": "attention",
     "kernel_cutlass_kernel_cute_kernelscombine_sm90CombineSm90_object_at__2": "attention",
+    # the name the H200 profile showed for the row combine (sixth session)
+    "kernel_cutlass_kernel_cute_kernelscombine_sm90CombineRowsSm90_object_at__tensorptrbf16"
+    "gmemalign16o128i64div812": "attention",
     "kv_append_paged": "attention",
 }
 FA_KERNELS = {
@@ -38,6 +41,27 @@ OTHER_KERNELS = {
 @pytest.mark.parametrize("name,cat", list(ION_KERNELS.items()) + list(OTHER_KERNELS.items()))
 def test_classify_ion(name, cat):
     assert A.classify(name, A.attn_regex("ION")) == cat
+
+
+def test_every_ion_kernel_class_counts_as_attention():
+    """Every kernel class cute_kernels launches for the backend, under the name CuTeDSL
+    gives its launch (kernel_cutlass_kernel_cute_kernels<module><Class>_object_at_...),
+    is attention; a new kernel class fails here instead of landing under "other"."""
+    import inspect
+
+    import cute_kernels.append_sm90 as ap
+    import cute_kernels.attention_sm90 as at
+    import cute_kernels.combine_sm90 as co
+
+    classes = [(m, c) for m in (ap, at, co) for n, c in vars(m).items()
+               if inspect.isclass(c) and c.__module__ == m.__name__ and
+               callable(getattr(c, "kernel", None))]
+    assert {c.__name__ for _, c in classes} >= {"KVAppendKernel", "IonAttentionSm90",
+                                                 "CombineSm90", "CombineRowsSm90"}
+    for m, c in classes:
+        name = (f"kernel_cutlass_kernel_{m.__name__.replace('.', '')}{c.__name__}"
+                "_object_at__0")
+        assert A.classify(name, A.attn_regex("ION")) == "attention", name
 
 
 @pytest.mark.parametrize("name,cat", list(FA_KERNELS.items()) + list(OTHER_KERNELS.items()))
