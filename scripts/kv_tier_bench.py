@@ -4,9 +4,11 @@ whose reuse set is several times the HBM KV pool.
 
 Configs (each in a fresh process): `none` (no offload), `native` (vLLM
 OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored
-too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier),
-`ion-defer` (the same with ring_overflow=defer, the policy before 2026-11-29's fifth
-session, kept for A/B).
+too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier, its
+defaults), and Ion variants for A/B (ION_CONFIGS): `ion-defer` (ring_overflow=defer,
+the policy before 2026-11-29's fifth session), `ion-host` (store_completion=host, the
+completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, every
+block copied GPU -> host directly, i.e. native's data path under Ion's manager).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -25,8 +27,10 @@ The first H200 run (2026-11-29) used 2k contexts, 128 generated tokens and
 
 Reports TTFT p50/p99, output tok/s, total tok/s, host hit rate (tokens loaded
 from the host tier / tokens looked up beyond the GPU prefix cache), measured
-D2H and H2D GB/s (vLLM's kv_offload_{store,load}_{bytes,time}); writes
-results.json and results.md into --out.
+D2H and H2D GB/s (H2D: vLLM's kv_offload_load_{bytes,time}; D2H: the Ion worker's
+own ion_kv_tier_d2h_{bytes,seconds} when present, since an Ion store is reported
+finished once its sources are read, else vLLM's kv_offload_store_{bytes,time});
+writes results.json and results.md into --out.
 """
 
 from __future__ import annotations
@@ -42,9 +46,30 @@ import tempfile
 import time
 
 
-#: Ion tier configs -> their ring_overflow policy (ion_vllm/kv_tier/worker.py)
-ION_CONFIGS = {"ion": "direct", "ion-defer": "defer"}
+#: Ion tier configs -> the kv_connector_extra_config keys they set over the spec's
+#: defaults (ion_vllm/kv_tier/spec.py, worker.py)
+ION_CONFIGS = {
+    "ion": {},
+    "ion-defer": {"ring_overflow": "defer"},
+    "ion-host": {"store_completion": "host"},
+    "ion-noring": {"ring_mib": 0},
+}
 CONFIGS = ("none", "native", *ION_CONFIGS)
+
+
+def offload_transfer_config(name: str, host_bytes: int, ring_mib: float) -> dict | None:
+    """The kv_transfer_config of config ``name`` (None: no offloading)."""
+    if name == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes,
+                                              "offload_prompt_only": False}}
+    if name in ION_CONFIGS:
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
+                    "cpu_bytes_to_use": host_bytes, "ring_mib": ring_mib,
+                    **ION_CONFIGS[name]}}
+    return None
 
 
 def has_weights(model_dir: str) -> bool:
@@ -76,19 +101,10 @@ def child(cfg: dict) -> dict:
         kw["attention_backend"] = cfg["backend"]
     if cfg.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
-    host_bytes = int(cfg["host_gib"] * (1 << 30))
-    if cfg["name"] == "native":
-        kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes,
-                                          "offload_prompt_only": False}}
-    elif cfg["name"] in ION_CONFIGS:
-        kw["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-                "cpu_bytes_to_use": host_bytes, "ring_mib": cfg["ring_mib"],
-                "ring_overflow": ION_CONFIGS[cfg["name"]]}}
+    ktc = offload_transfer_config(cfg["name"], int(cfg["host_gib"] * (1 << 30)),
+                                  cfg["ring_mib"])
+    if ktc is not None:
+        kw["kv_transfer_config"] = ktc
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
     # warm-up (not measured): compile/capture on an unrelated prompt
@@ -152,7 +168,8 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
         "gpu_prefix_hit_rate": (d.get("vllm:prefix_cache_hits", 0.0)
                                 / max(1.0, d.get("vllm:prefix_cache_queries", 0.0))),
         "host_hit_rate": (d.get("vllm:external_prefix_cache_hits", 0.0) / q) if q else None,
-        "d2h_gbps": gbps("vllm:kv_offload_store_bytes", "vllm:kv_offload_store_time"),
+        "d2h_gbps": (gbps("vllm:ion_kv_tier_d2h_bytes", "vllm:ion_kv_tier_d2h_seconds")
+                     or gbps("vllm:kv_offload_store_bytes", "vllm:kv_offload_store_time")),
         "h2d_gbps": gbps("vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"),
         "preemptions": d.get("vllm:num_preemptions", 0.0),
         "tier_metrics": {k: v for k, v in d.items()

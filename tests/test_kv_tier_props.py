@@ -12,10 +12,11 @@ from ion_vllm.kv_tier.testing import Corruption, run_random_ops
 from ion_vllm.kv_tier.worker import IonKVTierWorker, TorchCopier
 
 
+@pytest.mark.parametrize("completion", ["read", "host"])
 @pytest.mark.parametrize("overflow", ["direct", "defer"])
 @pytest.mark.parametrize("layout,seed", [("ion", 11), ("kv_first", 12)])
-def test_random_ops_10k(layout, seed, overflow):
-    r = run_random_ops(seed, 10_000, layout=layout, overflow=overflow)
+def test_random_ops_10k(layout, seed, overflow, completion):
+    r = run_random_ops(seed, 10_000, layout=layout, overflow=overflow, completion=completion)
     assert sum(r.ops.values()) == 10_000
     # the run really exercised every path
     assert r.restored_blocks > 200 and r.verified_blocks > 0
@@ -28,15 +29,33 @@ def test_random_ops_10k(layout, seed, overflow):
         assert ws["spill_blocks"] > 0 and ws["d2d_blocks"] > 0
         assert ws["deferred_blocks"] == 0 and ws["bypass_blocks"] == 0
     assert ws["ring_peak_slots"] == ws["ring_slots"]
+    if completion == "read":  # loads really met drains still running, and waited for them
+        assert ws["loads_ordered_after_drain"] > 0
 
 
-@pytest.mark.parametrize("seed", range(4))
+def test_random_ops_10k_without_ring():
+    """ring 0 MiB: every block goes GPU -> host directly; nothing is lost either."""
+    r = run_random_ops(13, 10_000, ring_slots=0)
+    ws = r.worker_stats
+    assert r.restored_blocks > 200 and r.evicted_blocks > 0
+    assert ws["ring_slots"] == 0 and ws["d2d_blocks"] == 0
+    assert ws["spill_blocks"] == r.stored_blocks > 0
+
+
+def test_ring_without_slots_refuses_defer():
+    with pytest.raises(ValueError, match="no slots"):
+        run_random_ops(1, 10, ring_slots=0, overflow="defer")
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_random_ops_configs(seed):
     rng = random.Random(seed)
+    ring_slots = rng.randint(0, 12)
     run_random_ops(100 + seed, 1500, layout=rng.choice(["ion", "kv_first"]),
                    num_gpu_blocks=rng.randint(12, 64), num_host_blocks=rng.randint(4, 80),
-                   ring_slots=rng.randint(1, 12), window=rng.randint(1, 40),
-                   overflow=rng.choice(["direct", "defer"]))
+                   ring_slots=ring_slots, window=rng.randint(1, 40),
+                   overflow=rng.choice(["direct", "defer"]) if ring_slots else "direct",
+                   completion=rng.choice(["read", "host"]))
 
 
 def test_eager_runtime_never_defers_forever():
@@ -59,6 +78,24 @@ class _CorruptWorker(IonKVTierWorker):
 
 class _NoFlushWorker(IonKVTierWorker):
     def wait(self, job_ids):  # returns before the GPU blocks were read
+        return
+
+
+class _LoadIgnoresDrainWorker(IonKVTierWorker):
+    """Reports stores at read (the default) but loads without waiting for drains."""
+
+    def submit_load(self, job_id, src_spec, dst_spec):
+        pending, self._host_pending = self._host_pending, {}
+        try:
+            return super().submit_load(job_id, src_spec, dst_spec)
+        finally:
+            self._host_pending = pending
+
+
+class _WriteOverPendingDrainWorker(IonKVTierWorker):
+    """Writes a host block without waiting for an older, still-running drain into it."""
+
+    def _after_pending_writes(self, stream, host_ids):
         return
 
 
@@ -88,6 +125,22 @@ def test_detects_corrupted_copy():
 def test_detects_missing_flush():
     with pytest.raises(Corruption):
         run_random_ops(4, 3000, worker_cls=_NoFlushWorker)
+
+
+def test_detects_load_that_overtakes_a_drain():
+    """completion="read" is only safe because loads wait for pending drains."""
+    with pytest.raises(Corruption):
+        run_random_ops(9, 3000, worker_cls=_LoadIgnoresDrainWorker)
+
+
+def test_detects_write_over_a_pending_drain():
+    """Under completion="read" a host block can be evicted and written again (here by a
+    flush's bypass copy on another stream) while its old drain still runs."""
+    with pytest.raises(Corruption):
+        run_random_ops(22, 3000, worker_cls=_WriteOverPendingDrainWorker, overflow="defer",
+                       num_host_blocks=16)
+    for seed in (22, 24, 25):  # the same runs with the real worker
+        run_random_ops(seed, 3000, overflow="defer", num_host_blocks=16)
 
 
 def test_detects_unordered_drain():

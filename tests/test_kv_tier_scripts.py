@@ -117,8 +117,22 @@ def test_preempt_offload_config_selects_spec():
     assert ext["cpu_bytes_to_use"] == 1 << 29
 
 
-def test_kv_tier_bench_configs_map_to_overflow_policies():
-    assert bench.ION_CONFIGS == {"ion": "direct", "ion-defer": "defer"}
+def test_kv_tier_bench_configs_select_the_spec_and_its_variants():
+    hb = 1 << 30
+    ext = lambda n: bench.offload_transfer_config(n, hb, 256)["kv_connector_extra_config"]  # noqa: E731
+    assert bench.offload_transfer_config("none", hb, 256) is None
+    assert "spec_name" not in ext("native") and ext("native")["offload_prompt_only"] is False
+    base = {"spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
+            "cpu_bytes_to_use": hb, "ring_mib": 256}
+    assert ext("ion") == base  # the spec's own defaults
+    assert ext("ion-defer") == {**base, "ring_overflow": "defer"}
+    assert ext("ion-host") == {**base, "store_completion": "host"}
+    assert ext("ion-noring") == {**base, "ring_mib": 0}
+    # every variant is a configuration the spec accepts
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+    from test_kv_tier_spec import _cfg as spec_config
+    for name in bench.ION_CONFIGS:
+        IonKVTierSpec(spec_config(ext(name), block_bytes=1 << 20))
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "kv_tier_bench.py")
     r = subprocess.run([sys.executable, path, "/m", "--configs", "ion,bogus"],
                        capture_output=True, text=True, check=False, timeout=120)

@@ -181,6 +181,19 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
     assert worker_of({"ring_overflow": "defer"}).overflow == "defer"
     with pytest.raises(ValueError, match="ring_overflow"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_overflow": "drop"}))
+    # store completion: "read" by default, "host" selectable, anything else refused
+    assert worker_of({}).completion == "read"
+    assert worker_of({"store_completion": "host"}).completion == "host"
+    with pytest.raises(ValueError, match="store_completion"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "store_completion": "drain"}))
+    # ring_mib 0: no ring, every block direct; with "defer" nothing would ever be stored
+    w0 = worker_of({"ring_mib": 0})
+    assert w0.ring.num_slots == 0 and w0.ring.nbytes == 0
+    with pytest.raises(ValueError, match="ring_mib 0"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": 0,
+                            "ring_overflow": "defer"}))
+    with pytest.raises(ValueError, match="ring_mib"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": -1}))
 
 
 def test_worker_store_paths_reach_the_managers_metrics():
@@ -205,7 +218,10 @@ def test_worker_store_paths_reach_the_managers_metrics():
     w = s.get_worker(kv)
     assert w.ring.num_slots == 2
     w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4], [5], [0]), IonHostSpec([0, 1, 2, 3, 4]))
+    w.get_finished()  # the drains are accounted when their end is seen
     red = mgr.get_stats().reduce()
     assert red[M.RING_BLOCKS] == 2 and red[M.SPILL_BLOCKS] == 3
     assert M.BYPASS_BLOCKS not in red and M.DEFERRED_BLOCKS not in red
+    # every byte written to the host is in the D2H counters, with its copy time
+    assert red[M.D2H_BYTES] == 5 * nb and red[M.D2H_SECONDS] > 0
     assert torch.equal(w.host[:5], t[:5])  # the CPU runtime is synchronous

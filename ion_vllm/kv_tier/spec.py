@@ -9,7 +9,9 @@ Selected with the standard OffloadingConnector:
 
 kv_connector_extra_config keys:
   cpu_bytes_to_use | host_gib   host pool byte budget (all TP ranks together)
-  ring_mib                      HBM staging ring per worker (default 256)
+  ring_mib                      HBM staging ring per worker (default 256; 0: no ring,
+                                every block copied GPU -> host directly, which needs
+                                ring_overflow "direct")
   max_inflight_mib              writeback window per worker (default: the larger of
                                 4 x ring and min(4 GiB, a quarter of the worker's
                                 share of the host pool); see default_window_bytes
@@ -18,6 +20,9 @@ kv_connector_extra_config keys:
   copier                        "auto" | "batch" | "torch"
   ring_overflow                 "direct" (default) | "defer": what a store does with
                                 the blocks the ring has no room for (see worker.py)
+  store_completion              "read" (default) | "host": report a store finished
+                                once its GPU source blocks were read, or once its
+                                bytes are in host memory (see worker.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -33,7 +38,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
-from ion_vllm.kv_tier.staging_ring import check_overflow
+from ion_vllm.kv_tier.staging_ring import check_overflow, check_store_completion
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
 
 logger = init_logger(__name__)
@@ -133,15 +138,23 @@ class IonKVTierSpec(OffloadingSpec):
         self.copier = str(extra.get("copier", "auto"))
         self.ring_overflow = check_overflow(str(extra.get("ring_overflow", "direct")),
                                             "ring_overflow")
+        if self.ring_bytes < 0:
+            raise ValueError("Ion KV tier: ring_mib must be >= 0")
+        if self.ring_bytes == 0 and self.ring_overflow != "direct":
+            raise ValueError("Ion KV tier: ring_mib 0 (no ring) needs ring_overflow "
+                             "'direct': deferred blocks would wait for slots forever")
+        self.store_completion = check_store_completion(
+            str(extra.get("store_completion", "read")), "store_completion")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
-            "writeback window %d blocks, prompt_only=%s, ring overflow %s",
+            "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
+            "store completion %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
-            self.ring_overflow)
+            self.ring_overflow, self.store_completion)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -165,6 +178,7 @@ class IonKVTierSpec(OffloadingSpec):
                 copier=self.copier,
                 verify=self.verify,
                 overflow=self.ring_overflow,
+                completion=self.store_completion,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -8,9 +8,14 @@ drain stream completes them (a single drain stream finishes work in order).
 A store copies the GPU KV blocks into ring slots (D2D, fast); from then on the
 source blocks may be reused.  The drain stream then copies the slots to the
 pinned host pool (D2H) and the slots are released.  When no slot is free the
-worker does not wait: the remaining blocks of the job are deferred (counted)
-and issued when drains free space; only a flush (``wait``) of a deferred job
-copies its leftover blocks straight to the host, bypassing the ring.
+worker does not wait: with ``overflow="direct"`` (the default) the rest of the
+job is copied GPU -> host at once; with ``"defer"`` it waits (counted) for
+slots that drains free, and only a flush (``wait``) of a deferred job copies
+its leftover blocks straight to the host, bypassing the ring.
+
+``ring_bytes == 0`` is a ring of no slots: every block takes the direct path
+(vLLM's native connector's data path, kept selectable for A/B runs); it needs
+``overflow="direct"``, since deferred blocks would wait for slots forever.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ import torch
 #: see ion_vllm/kv_tier/worker.py
 OVERFLOW_POLICIES = ("direct", "defer")
 
+#: when a store job is reported finished to vLLM: once its GPU source blocks have been
+#: read ("read", the default; a ring piece's bytes may still be on their way to the host,
+#: and every load of those host blocks is ordered after that drain on the device) or once
+#: all its bytes are in host memory ("host"); see ion_vllm/kv_tier/worker.py
+STORE_COMPLETION = ("read", "host")
+
 
 def check_overflow(policy: str, name: str = "overflow") -> str:
     """``policy`` if it is one of OVERFLOW_POLICIES, else a ValueError naming ``name`` (the
@@ -34,12 +45,21 @@ def check_overflow(policy: str, name: str = "overflow") -> str:
     return policy
 
 
+def check_store_completion(point: str, name: str = "store_completion") -> str:
+    """``point`` if it is one of STORE_COMPLETION, else a ValueError naming ``name``."""
+    if point not in STORE_COMPLETION:
+        raise ValueError(f"Ion KV tier: {name} must be one of {STORE_COMPLETION}, "
+                         f"not {point!r}")
+    return point
+
+
 class RingAllocator:
-    """FIFO allocator of contiguous slot runs over ``num_slots`` slots."""
+    """FIFO allocator of contiguous slot runs over ``num_slots`` slots (0: a ring
+    that never has room)."""
 
     def __init__(self, num_slots: int):
-        if num_slots < 1:
-            raise ValueError("staging ring needs at least one slot")
+        if num_slots < 0:
+            raise ValueError("staging ring slot count must be >= 0")
         self.num_slots = num_slots
         self.head = 0  # next slot to hand out
         self.used = 0
@@ -94,10 +114,10 @@ class StagingRing:
         if slot_bytes <= 0:
             raise ValueError("slot_bytes must be positive")
         num_slots = ring_bytes // slot_bytes
-        if num_slots < 1:
+        if num_slots < 1 and ring_bytes != 0:
             raise ValueError(
                 f"staging ring of {ring_bytes} bytes cannot hold one KV block "
-                f"({slot_bytes} bytes); raise ring_mib"
+                f"({slot_bytes} bytes); raise ring_mib (or set 0: no ring)"
             )
         self.slot_bytes = slot_bytes
         self.alloc = RingAllocator(num_slots)

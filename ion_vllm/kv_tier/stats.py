@@ -12,12 +12,17 @@ seconds, spilled (ring full at submit, ``overflow="direct"``), deferred and
 bypassed blocks.  vLLM forwards only the per-job
 ``TransferResult(transfer_size, transfer_time)`` from workers to the scheduler;
 the worker reports the *D2H drain* time for stores and the *H2D* time for
-loads there, so vLLM's own ``vllm:kv_offload_store_bytes / _store_time`` and
-``vllm:kv_offload_load_bytes / _load_time`` give the measured GB/s.  The rest of
-the worker counters are read from ``worker.stats`` and logged periodically.
+loads there.  For loads, vLLM's ``vllm:kv_offload_load_bytes / _load_time`` is the
+measured H2D rate.  For stores, ``transfer_time`` is the time until the job is
+reported finished, which under the default ``completion="read"`` is the D2D time
+of a ring piece, not its drain (see worker.py); the D2H rate is therefore
+exported by the worker itself: ``vllm:ion_kv_tier_d2h_bytes / _d2h_seconds``
+(every ring drain, spill and bypass copy, timed on the device).  The rest of the
+worker counters are read from ``worker.stats`` and logged periodically.
 
 The worker also adds the path each stored block took (ring, spill, deferred, bypass)
-to ``PROCESS_COUNTERS``, exported the same way as the verify counters below.
+and its D2H bytes and seconds to ``PROCESS_COUNTERS``, exported the same way as the
+verify counters below.
 
 Verify mode (``ION_KV_TIER_VERIFY=1``, see worker.py): the worker fingerprints
 every stored and every restored block and counts restored blocks checked
@@ -61,6 +66,8 @@ class M:
     SPILL_BLOCKS = PREFIX + "spill_blocks"
     DEFERRED_BLOCKS = PREFIX + "deferred_blocks"
     BYPASS_BLOCKS = PREFIX + "bypass_blocks"
+    D2H_BYTES = PREFIX + "d2h_bytes"
+    D2H_SECONDS = PREFIX + "d2h_seconds"
     # worker side, verify mode only (see module docstring)
     VERIFIED_BLOCKS = PREFIX + "verified_blocks"
     VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
@@ -129,6 +136,10 @@ def metric_definitions() -> dict[str, Any]:
         M.BYPASS_BLOCKS: C(documentation="Ion KV tier worker: deferred blocks copied "
                            "GPU->host directly when vLLM flushed their job; the engine "
                            "step waited for that copy."),
+        M.D2H_BYTES: C(documentation="Ion KV tier worker: bytes copied into host memory "
+                       "(ring drains, spills, bypasses)."),
+        M.D2H_SECONDS: C(documentation="Ion KV tier worker: device time of those copies "
+                         "(d2h_bytes / d2h_seconds = the measured D2H rate)."),
         M.VERIFIED_BLOCKS: C(
             documentation="Ion KV tier verify mode: restored blocks whose GPU bytes were "
             "fingerprinted after the host->GPU copy and compared with the fingerprint "
@@ -152,6 +163,8 @@ class ProcessCounters:
     spill_blocks: int = 0
     deferred_blocks: int = 0
     bypass_blocks: int = 0
+    d2h_bytes: int = 0  # bytes written to host memory (ring drain, spill, bypass)
+    d2h_seconds: float = 0.0  # device time of those copies
 
     def snapshot(self) -> "ProcessCounters":
         return dataclasses.replace(self)
@@ -166,6 +179,8 @@ _PROCESS_METRICS = (
     (M.SPILL_BLOCKS, "spill_blocks"),
     (M.DEFERRED_BLOCKS, "deferred_blocks"),
     (M.BYPASS_BLOCKS, "bypass_blocks"),
+    (M.D2H_BYTES, "d2h_bytes"),
+    (M.D2H_SECONDS, "d2h_seconds"),
 )
 
 

@@ -111,15 +111,16 @@ def run_random_ops(
     device: str = "cpu",
     runtime=None,
     overflow: str = "direct",
+    completion: str = "read",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
     rt = runtime if runtime is not None else SimRuntime(eager=False)
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
     worker = worker_cls(kvm.canonical, num_host_blocks=num_host_blocks,
-                        ring_bytes=ring_slots * slot + slot // 2, runtime=rt,
-                        copier=copier, pin_memory=(device == "cuda"), log_interval_s=0,
-                        overflow=overflow)
+                        ring_bytes=ring_slots * slot + slot // 2 if ring_slots else 0,
+                        runtime=rt, copier=copier, pin_memory=(device == "cuda"),
+                        log_interval_s=0, overflow=overflow, completion=completion)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()

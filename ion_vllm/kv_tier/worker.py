@@ -21,11 +21,27 @@ Store (one job = the new full blocks of one request in one step)
    blocks into a contiguous run of ring slots.
 2. Drain on a low-priority stream, after (1): copy the ring run to the host
    blocks (runs of consecutive host ids are one memcpy each).
-3. When the drain completes the slots go back to the ring; the job is reported
-   finished (``get_finished``) once all its blocks are on the host, so the
-   scheduler only marks blocks loadable when they really are in host memory.
+3. When the drain completes the slots go back to the ring.
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
+
+When a store job is reported finished (``get_finished``; ``completion``):
+* ``"read"`` (default): once every GPU source block has been read, i.e. after the
+  D2D copy of a ring piece and after the PCIe copy of a direct piece.  vLLM 0.26
+  then marks the host blocks loadable (``complete_store``) while a ring piece may
+  still be draining.  That is safe because this worker owns every reader and writer
+  of the host pool: a load waits on the device for the last pending write of each
+  of its host blocks (``_host_pending``), and so does any later write to a host
+  block that was evicted and handed out again.  What it buys: vLLM answers a
+  lookup of an unfinished store with HIT_PENDING and defers the request, it
+  delays a preempted request until its own store jobs are finished, and it
+  flushes (``wait``) unfinished jobs whose source blocks it reallocates; for the
+  blocks that went through the ring, none of the three waits for PCIe any more.
+* ``"host"``: once all the job's bytes are in host memory (the tier's first form;
+  kept for A/B runs).
+vLLM's ``TransferResult.transfer_time`` of a store is the time to that point
+(D2D time for a ring piece under "read"); the D2H drain rate is exported
+separately (``vllm:ion_kv_tier_d2h_bytes`` / ``_d2h_seconds``).
 
 When the ring has no room for the rest of a job (``overflow``):
 * ``"direct"`` (default): the rest is copied GPU -> host at once, on the drain
@@ -101,7 +117,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
-from ion_vllm.kv_tier.staging_ring import StagingRing, check_overflow
+from ion_vllm.kv_tier.staging_ring import StagingRing, check_overflow, check_store_completion
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -388,10 +404,11 @@ class _Piece:
     count: int
     ring_run: tuple[int, int] | None  # None: bypass (direct GPU -> host)
     read_done: Any  # event: the GPU source blocks have been read
-    start: Any
+    start: Any  # event: the host copy starts (the drain, for a ring piece)
     end: Any  # event: the bytes are on the host
     fp: _FpBatch | None = None  # verify mode: fingerprints of the source blocks
     spill: bool = False  # a direct piece issued at submit (ring full), not at a flush
+    src_start: Any = None  # ring piece: event before its D2D gather
 
 
 @dataclass
@@ -461,8 +478,10 @@ class IonKVTierWorker(OffloadingWorker):
         log_interval_s: float = 30.0,
         verify: bool | None = None,
         overflow: str = "direct",
+        completion: str = "read",
     ):
         self.overflow = check_overflow(overflow)
+        self.completion = check_store_completion(completion, "completion")
         if not kv_caches.tensors:
             raise ValueError("no KV cache tensors")
         self.tensors = [c.tensor for c in kv_caches.tensors]
@@ -505,6 +524,9 @@ class IonKVTierWorker(OffloadingWorker):
                     num_host_blocks * self.slot_bytes / 2**30, pin_memory,
                     time.monotonic() - t0)
         self.ring = StagingRing(ring_bytes, self.slot_bytes, self.device)
+        if self.ring.num_slots == 0 and self.overflow != "direct":
+            raise ValueError("Ion KV tier: a ring of no slots (ring 0 MiB) needs "
+                             "overflow='direct': deferred blocks would wait forever")
         self._d2d = self.rt.new_stream(high_priority=True)
         self._drain = self.rt.new_stream(high_priority=False)
         self._load = self.rt.new_stream(high_priority=False)
@@ -622,6 +644,7 @@ class IonKVTierWorker(OffloadingWorker):
         rt, cp, ring = self.rt, self.copier, self.ring.buffer
         a, b = job.next_item, job.next_item + count
         rt.wait_current(self._d2d)
+        src_start = rt.record(self._d2d)
         for g, i0, i1 in _group_runs(job.groups, a, b):
             ids = job.gpu[i0:i1]
             s = start + (i0 - a)
@@ -631,11 +654,13 @@ class IonKVTierWorker(OffloadingWorker):
         if fp is not None:
             fp.event = read_done
         rt.wait_event(self._drain, read_done)
-        ev0 = rt.record(self._drain)
         hids = job.host[a:b]
+        self._after_pending_writes(self._drain, hids)
+        ev0 = rt.record(self._drain)
         rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
         ev1 = rt.record(self._drain)
-        p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp)
+        p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp,
+                   src_start=src_start)
         job.pieces.append(p)
         job.next_item = b
         self._ring_pieces.append(p)
@@ -671,6 +696,7 @@ class IonKVTierWorker(OffloadingWorker):
         if a >= b:
             return 0, 0
         rt.wait_current(stream)
+        self._after_pending_writes(stream, job.host[a:b])
         ev0 = rt.record(stream)
         for g, i0, i1 in _group_runs(job.groups, a, b):
             gids, hids = job.gpu[i0:i1], job.host[i0:i1]
@@ -686,12 +712,42 @@ class IonKVTierWorker(OffloadingWorker):
         job.next_item = b
         return b - a, int(sum(self.group_bytes[g] for g in job.groups[a:b]))
 
+    def _after_pending_writes(self, stream: Any, host_ids: np.ndarray) -> None:
+        """Order work queued next on ``stream`` after every still-pending write into
+        these host blocks.  With ``completion="read"`` a host block can be evicted and
+        handed to a new store while its old drain is still running."""
+        waits = {id(ev): ev for h in host_ids.tolist()
+                 if (ev := self._host_pending.get(h)) is not None}
+        for ev in waits.values():
+            self.rt.wait_event(stream, ev)
+
+    def _host_written(self, p: _Piece) -> None:
+        """``p``'s bytes are in host memory: account its D2H copy and forget the
+        pending writes it was the last of."""
+        job = p.job
+        dt = self.rt.elapsed(p.start, p.end)
+        nbytes = int(sum(self.group_bytes[g] for g in job.groups[p.first:p.first + p.count]))
+        if p.spill:
+            self.stats.spill_seconds += dt
+        elif p.ring_run is None:
+            self.stats.bypass_seconds += dt
+        else:
+            self.stats.drained_blocks += p.count
+            self.stats.drained_bytes += nbytes
+            self.stats.drain_seconds += dt
+        PROCESS_COUNTERS.d2h_bytes += nbytes
+        PROCESS_COUNTERS.d2h_seconds += dt
+        for h in job.host[p.first:p.first + p.count].tolist():
+            if self._host_pending.get(h) is p.end:
+                del self._host_pending[h]
+
     def _pump(self) -> None:
         rt = self.rt
         while self._ring_pieces and rt.query(self._ring_pieces[0].end):
             p = self._ring_pieces.popleft()
             assert p.ring_run is not None
             self.ring.alloc.release_oldest(*p.ring_run)
+            self._host_written(p)
         while self._queue:
             job = self._queue[0]
             while job.next_item < job.n:
@@ -742,27 +798,24 @@ class IonKVTierWorker(OffloadingWorker):
         self._pump()
         rt = self.rt
         out: list[TransferResult] = []
+        read = self.completion == "read"
         for jid, job in list(self._stores.items()):
-            if job.next_item < job.n or not all(rt.query(p.end) for p in job.pieces):
+            if job.next_item < job.n or not all(
+                    rt.query(p.read_done if read else p.end) for p in job.pieces):
                 continue
+            # a direct piece's read_done is its end; a ring piece was accounted by _pump
+            # when its drain ended (already, under "host": drains end in order)
             secs = 0.0
             for p in job.pieces:
                 if p.fp is not None:
-                    p.fp.resolve(rt, self._readback)  # done (before p.end); frees it
-                dt = rt.elapsed(p.start, p.end)
-                secs += dt
-                if p.spill:
-                    self.stats.spill_seconds += dt
-                elif p.ring_run is None:
-                    self.stats.bypass_seconds += dt
+                    p.fp.resolve(rt, self._readback)  # done (before read_done); frees it
+                if p.ring_run is None:
+                    self._host_written(p)
+                    secs += rt.elapsed(p.start, p.end)
+                elif read:
+                    secs += rt.elapsed(p.src_start, p.read_done)
                 else:
-                    self.stats.drained_blocks += p.count
-                    self.stats.drained_bytes += int(
-                        sum(self.group_bytes[g] for g in job.groups[p.first:p.first + p.count]))
-                    self.stats.drain_seconds += dt
-                for h in job.host[p.first:p.first + p.count].tolist():
-                    if self._host_pending.get(h) is p.end:
-                        del self._host_pending[h]
+                    secs += rt.elapsed(p.start, p.end)
             del self._stores[jid]
             out.append(TransferResult(job_id=jid, success=True,
                                       transfer_size=job.nbytes, transfer_time=secs))
@@ -808,6 +861,8 @@ class IonKVTierWorker(OffloadingWorker):
         for job in list(self._stores.values()):
             for p in job.pieces:
                 self.rt.sync(p.end)
+        for p in self._ring_pieces:  # reported under completion="read", still draining
+            self.rt.sync(p.end)
         for ld in self._loads.values():
             self.rt.sync(ld.end)
         self._queue.clear()
