@@ -4,6 +4,10 @@
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
 #           ion-auto-p128 (128-token pages, an experiment), fa3
+#   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
+#           operations on CUDA streams, both copiers; a store/load round trip)
+#   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
+#           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked)
 #   preempt the KV tier's preemption check in float32 on TRITON_ATTN (tiny real-weight model,
 #           /tmp/tiny): reference, tier (with block verification) and control run side by
 #           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
@@ -21,7 +25,7 @@
 # KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in run order), E2E_BACKENDS,
 # E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
-# Results: OUT/{steps.txt,kbench/,kval/,e2e/,kvtier/} and OUT/<step>.log
+# Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
@@ -45,6 +49,12 @@ step() {  # step NAME SECONDS CMD...
 if want kbench; then
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
     --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-p128,fa3}" --out "$out/kbench"
+fi
+if want kvgpu; then
+  step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
+fi
+if want copy; then
+  step copy 240 python3 scripts/kv_tier_copy_bench.py --out "$out/copy"
 fi
 if want preempt; then
   mkdir -p "$out/preempt"
