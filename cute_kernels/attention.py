@@ -109,10 +109,11 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     warpgroup: two stages of 128-row K and V tiles (128 KiB of shared memory) left room
     for one CTA per SM, and the H200 measured that losing the second CTA costs more than
     the wider tiles gain (mixed step +35%, prefill only -1.5%; bench/notes.md, v7).  With
-    one stage a CTA needs 96 KiB (D = 128) and two CTAs fit.  The price: a CTA cannot
-    prefetch (its next K is issued only after the previous PV frees the V slot), so load
-    latency is hidden by the other CTA only.  An experiment, to be measured
-    (bench/notes.md, v8 candidate)."""
+    one stage a CTA needs 96 KiB (D = 128) and two CTAs fit.  The price: little prefetch
+    inside a CTA.  Measured on the H200 with the producer order K_p, V_p, K_{p+1} (v8: the
+    next K waited for the previous PV to free the V slot): mixed 166 us, prefill 818 us,
+    against 155 and 804 for 64-token pages.  The producer now issues K_{p+1} before V_p on
+    one stage (v9, not yet measured; bench/notes.md)."""
     if _check_consumers(consumers) == 1 and page_size > PAGE_SIZE:
         return 1
     return 2

@@ -15,7 +15,7 @@ CTA layout (256 threads, two warpgroups):
     Loads complete on mbarriers of three shared-memory pipelines (Q, K and V, two stages
     each by default), so the producer runs up to two pages ahead of the math.  (128-token
     pages use one K/V stage, ``kv_stages=1``, so that two CTAs fit per SM; see
-    ``attention.kv_stages_for``.)
+    ``attention.kv_stages_for``.  With one stage the producer issues K_{p+1} before V_p.)
   * warpgroup 1 -- consumer.  S = Q K^T on wgmma (A and B from shared memory), online softmax
     in fp32 registers (exp2, causal / length masking on boundary pages only), P converted to
     16-bit in registers and O += P V on wgmma (A from registers, B = V from shared memory),
@@ -510,7 +510,24 @@ class IonAttentionSm90:
                                 cute.group_modes(sQ_box_u, 0, 3), cute.group_modes(gQu, 0, 3))
                             cute.copy(tma_qu, tQgQu, tQsQu[(None, q_handle.index)],
                                       tma_bar_ptr=q_handle.barrier)
-                    if cutlass.const_expr(not self.fresh_kv):
+                    if cutlass.const_expr(not self.fresh_kv and self.kv_stages == 1):
+                        # one K/V stage: issue K_{p+1} before V_p.  The consumer frees K_p
+                        # after S_p, early in its iteration p, but frees V_{p-1} only at the
+                        # end of it (PV_{p-1} runs there); in the order K_p, V_p, K_{p+1}
+                        # the next K would wait behind that, and iteration p+1 would start
+                        # on a load just issued.  Each pipeline's acquire order is unchanged.
+                        k0 = k_prod.acquire_and_advance()
+                        cute.copy(tma_k, tKgK[(None, 0, 0, h, mBlockTable[b, p0])],
+                                  tKsK[(None, k0.index)], tma_bar_ptr=k0.barrier)
+                        for p in cutlass.range(p0, p1, 1, unroll=1):
+                            if p + 1 < p1:
+                                kn = k_prod.acquire_and_advance()
+                                cute.copy(tma_k, tKgK[(None, 0, 0, h, mBlockTable[b, p + 1])],
+                                          tKsK[(None, kn.index)], tma_bar_ptr=kn.barrier)
+                            vp = v_prod.acquire_and_advance()
+                            cute.copy(tma_v, tVgV[(None, 0, 0, h, mBlockTable[b, p])],
+                                      tVsV[(None, vp.index)], tma_bar_ptr=vp.barrier)
+                    elif cutlass.const_expr(not self.fresh_kv):
                         for p in cutlass.range(p0, p1, 1, unroll=1):
                             page = mBlockTable[b, p]
                             k_handle = k_prod.acquire_and_advance()
