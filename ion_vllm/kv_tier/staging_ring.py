@@ -36,21 +36,21 @@ OVERFLOW_POLICIES = ("direct", "defer")
 STORE_COMPLETION = ("read", "host")
 
 
+def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
+    if value not in choices:
+        raise ValueError(f"Ion KV tier: {name} must be one of {choices}, not {value!r}")
+    return value
+
+
 def check_overflow(policy: str, name: str = "overflow") -> str:
     """``policy`` if it is one of OVERFLOW_POLICIES, else a ValueError naming ``name`` (the
     spec's config key or the worker's argument)."""
-    if policy not in OVERFLOW_POLICIES:
-        raise ValueError(f"Ion KV tier: {name} must be one of {OVERFLOW_POLICIES}, "
-                         f"not {policy!r}")
-    return policy
+    return _check_choice(policy, OVERFLOW_POLICIES, name)
 
 
 def check_store_completion(point: str, name: str = "store_completion") -> str:
     """``point`` if it is one of STORE_COMPLETION, else a ValueError naming ``name``."""
-    if point not in STORE_COMPLETION:
-        raise ValueError(f"Ion KV tier: {name} must be one of {STORE_COMPLETION}, "
-                         f"not {point!r}")
-    return point
+    return _check_choice(point, STORE_COMPLETION, name)
 
 
 class RingAllocator:
