@@ -7,7 +7,8 @@
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
-#           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked)
+#           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
+#           GPU block ids in consecutive runs, then at random
 #   preempt the KV tier's preemption check in float32 on TRITON_ATTN (tiny real-weight model,
 #           /tmp/tiny): reference, tier (with block verification) and control run side by
 #           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
@@ -55,6 +56,7 @@ if want kvgpu; then
 fi
 if want copy; then
   step copy 240 python3 scripts/kv_tier_copy_bench.py --out "$out/copy"
+  step copy-random 240 python3 scripts/kv_tier_copy_bench.py --ids random --out "$out/copy-random"
 fi
 if want preempt; then
   mkdir -p "$out/preempt"

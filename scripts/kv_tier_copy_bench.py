@@ -16,6 +16,13 @@ vllm.v1.kv_offload.cpu.gpu_worker.CPUOffloadingWorker), in interleaved rounds:
   3. loads: the same blocks back into other GPU blocks, timed the same way (H2D), and
      checked byte for byte against the sources.
 
+GPU block ids come in consecutive runs per job by default (`--ids random` to scatter
+them): native keeps one host tensor per KV tensor, so a run of consecutive blocks is
+contiguous on both sides of its copies, while Ion's host slot holds all tensors of one
+block, so consecutive blocks of one tensor are a slot apart on the host.  Whether the
+driver turns contiguous neighbours into larger DMA transfers is one of the things this
+measures.
+
 Shape defaults: the demo model (Qwen2.5-7B: 28 layers, 4 KV heads, d 128, bf16) with
 64-token pages: one block is 28 x 128 KiB = 3.5 MiB, as in the reuse benchmark.
 
@@ -39,16 +46,26 @@ import torch
 WORKERS = ("ion", "ion-noring", "native")
 
 
-def plan_jobs(num_gpu_blocks: int, jobs: int, blocks_per_job: int,
-              seed: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+def plan_jobs(num_gpu_blocks: int, jobs: int, blocks_per_job: int, seed: int,
+              ids: str = "runs") -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """Store sources, host destinations and load destinations of ``jobs`` jobs:
-    distinct random GPU blocks for the stores, consecutive host ids (how both workers'
-    managers hand them out), and load targets drawn from the GPU blocks no store uses."""
+    distinct GPU blocks for the stores, consecutive host ids (how both workers' managers
+    hand them out), and load targets among the GPU blocks no store uses.  ``ids``:
+    "runs" (each job's GPU blocks consecutive, jobs in random order: what vLLM's block
+    pool hands a prefill) or "random" (every GPU block id drawn at random)."""
     n = jobs * blocks_per_job
     if 2 * n > num_gpu_blocks:
         raise ValueError(f"need {2 * n} GPU blocks for {jobs} x {blocks_per_job} stores "
                          f"plus their loads, have {num_gpu_blocks}")
-    perm = np.random.default_rng(seed).permutation(num_gpu_blocks)
+    rng = np.random.default_rng(seed)
+    if ids == "random":
+        perm = rng.permutation(num_gpu_blocks)
+    elif ids == "runs":
+        runs = num_gpu_blocks // blocks_per_job
+        order = rng.permutation(runs)
+        perm = (order[:, None] * blocks_per_job + np.arange(blocks_per_job)).reshape(-1)
+    else:
+        raise ValueError(f"ids must be 'runs' or 'random', not {ids!r}")
     src, dst = perm[:n], perm[n:2 * n]
     cut = lambda a: [a[i:i + blocks_per_job].tolist()  # noqa: E731
                      for i in range(0, n, blocks_per_job)]
@@ -162,7 +179,8 @@ def run(args) -> dict:
     block_bytes = sum(c.page_size_bytes for c in canonical.tensors)
     rounds: list[dict] = []
     for r in range(args.rounds):
-        plan = plan_jobs(args.num_gpu_blocks, args.jobs, args.blocks_per_job, args.seed + r)
+        plan = plan_jobs(args.num_gpu_blocks, args.jobs, args.blocks_per_job, args.seed + r,
+                         args.ids)
         for w in workers:  # interleaved: w0 v0 w1 v1 ...
             res = run_round(built[w], canonical, plan, device, job0=r * 10 * n_host)
             rounds.append({"worker": w, "round": r, **res})
@@ -184,6 +202,7 @@ def table(res: dict) -> list[str]:
     lines = [f"# KV tier copy paths ({res['device']})", "",
              f"{res['args']['jobs']} jobs x {res['args']['blocks_per_job']} blocks of "
              f"{res['block_bytes'] / 2**20:.2f} MiB ({res['tensors']} tensors), "
+             f"GPU block ids: {res['args']['ids']}, "
              f"{res['args']['rounds']} interleaved rounds; medians", "",
              "| worker | D2H GB/s (wall) | H2D GB/s (wall) | bad blocks |",
              "|---|---|---|---|"]
@@ -205,6 +224,10 @@ def parse_args(argv=None):
     p.add_argument("--blocks-per-job", type=int, default=16)
     p.add_argument("--ring-mib", type=float, default=256)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ids", choices=("runs", "random"), default="runs",
+                   help="GPU block ids of a job: consecutive runs (default) or random; "
+                        "with runs, native's per-tensor host rows are contiguous across "
+                        "blocks as the GPU source is, Ion's block-major host slots are not")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)

@@ -22,8 +22,20 @@ def test_plan_jobs_disjoint_and_sized():
     assert sum(host, []) == list(range(24))
     assert B.plan_jobs(100, 4, 6, seed=3) == (src, host, dst)  # deterministic
     assert B.plan_jobs(100, 4, 6, seed=4)[0] != src
+    assert B.plan_jobs(100, 4, 6, seed=3, ids="random")[0] != src
     with pytest.raises(ValueError, match="GPU blocks"):
         B.plan_jobs(40, 4, 6, seed=0)
+    with pytest.raises(ValueError, match="ids"):
+        B.plan_jobs(100, 4, 6, seed=0, ids="sorted")
+
+
+@pytest.mark.parametrize("ids", ["runs", "random"])
+def test_plan_jobs_id_patterns(ids):
+    src, _, dst = B.plan_jobs(96, 4, 6, seed=5, ids=ids)
+    s, d = sum(src, []), sum(dst, [])
+    assert len(set(s + d)) == 48 and all(0 <= x < 96 for x in s + d)
+    consecutive = all(b == a + 1 for j in src + dst for a, b in zip(j, j[1:]))
+    assert consecutive == (ids == "runs")
 
 
 def test_cpu_run_checks_every_block(capsys):
