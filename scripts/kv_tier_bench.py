@@ -8,7 +8,9 @@ too so both tiers hold the same data), `ion` (OffloadingConnector + IonKVTier, i
 defaults), and Ion variants for A/B (ION_CONFIGS): `ion-defer` (ring_overflow=defer,
 the policy before 2026-11-29's fifth session), `ion-host` (store_completion=host, the
 completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, every
-block copied GPU -> host directly, i.e. native's data path under Ion's manager).
+block copied GPU -> host directly, i.e. native's data path under Ion's manager),
+`ion-tensor` (host_layout=tensor: one host region per KV tensor, runs of consecutive
+blocks copied as one descriptor).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -53,6 +55,7 @@ ION_CONFIGS = {
     "ion-defer": {"ring_overflow": "defer"},
     "ion-host": {"store_completion": "host"},
     "ion-noring": {"ring_mib": 0},
+    "ion-tensor": {"host_layout": "tensor"},
 }
 CONFIGS = ("none", "native", *ION_CONFIGS)
 

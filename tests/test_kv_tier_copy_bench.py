@@ -39,10 +39,11 @@ def test_plan_jobs_id_patterns(ids):
 
 
 def test_cpu_run_checks_every_block(capsys):
-    res = B.run(B.parse_args(TINY + ["--workers", "ion,ion-noring"]))
-    assert set(res["summary"]) == {"ion", "ion-noring"}
+    ws = ["ion", "ion-noring", "ion-tensor", "ion-noring-tensor"]
+    res = B.run(B.parse_args(TINY + ["--workers", ",".join(ws)]))
+    assert set(res["summary"]) == set(ws)
     assert [(r["worker"], r["round"]) for r in res["rounds"]] == [
-        ("ion", 0), ("ion-noring", 0), ("ion", 1), ("ion-noring", 1)]  # interleaved
+        (w, r) for r in range(2) for w in ws]  # interleaved
     for r in res["rounds"]:
         assert r["bad_host_blocks"] == 0 and r["bad_loaded_blocks"] == 0
         assert r["store"]["jobs"] == r["load"]["jobs"] == 3
@@ -62,16 +63,18 @@ def test_a_corrupting_copy_is_caught(monkeypatch, tmp_path):
 
     def build(name, canonical, n, ring_mib):
         w = real(name, canonical, n, ring_mib)
-        w.copier = Bad(w.tensors, w.offsets, w.copier.group_refs)
+        w.copier = Bad(w.tensors, w.offsets, w.copier.group_refs, layout=w.host_layout,
+                       page_bytes=w.page_bytes)
         return w
 
     monkeypatch.setattr(B, "build_worker", build)
-    rc = B.main(TINY + ["--workers", "ion-noring", "--out", str(tmp_path)])
+    rc = B.main(TINY + ["--workers", "ion-noring,ion-noring-tensor", "--out", str(tmp_path)])
     assert rc == 1
     import json
 
     res = json.loads((tmp_path / "copy_bench.json").read_text())
     assert res["summary"]["ion-noring"]["bad_blocks"] > 0
+    assert res["summary"]["ion-noring-tensor"]["bad_blocks"] > 0
     assert "| ion-noring |" in (tmp_path / "copy_bench.md").read_text()
 
 

@@ -7,14 +7,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host_layout", ["slot", "tensor"])
 @pytest.mark.parametrize("copier", ["batch", "torch"])
 @pytest.mark.parametrize("layout", ["ion", "kv_first"])
-def test_random_ops_cuda(copier, layout):
+def test_random_ops_cuda(copier, layout, host_layout):
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
 
     r = run_random_ops(21, 3000, layout=layout, copier=copier, device="cuda",
-                       runtime=CudaRuntime(torch.device("cuda")))
+                       runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout)
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["ring_peak_slots"] <= r.worker_stats["ring_slots"]
 

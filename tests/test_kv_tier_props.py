@@ -9,7 +9,7 @@ from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.runtime import SimRuntime
 from ion_vllm.kv_tier.staging_ring import RingAllocator
 from ion_vllm.kv_tier.testing import Corruption, run_random_ops
-from ion_vllm.kv_tier.worker import IonKVTierWorker, TorchCopier
+from ion_vllm.kv_tier.worker import BatchCopier, IonKVTierWorker, TorchCopier
 
 
 @pytest.mark.parametrize("completion", ["read", "host"])
@@ -31,6 +31,63 @@ def test_random_ops_10k(layout, seed, overflow, completion):
     assert ws["ring_peak_slots"] == ws["ring_slots"]
     if completion == "read":  # loads really met drains still running, and waited for them
         assert ws["loads_ordered_after_drain"] > 0
+
+
+@pytest.mark.parametrize("overflow", ["direct", "defer"])
+def test_random_ops_10k_tensor_host_layout(overflow):
+    """host_layout="tensor": one host (and ring) region per KV tensor."""
+    r = run_random_ops(14, 10_000, overflow=overflow, host_layout="tensor")
+    assert r.restored_blocks > 200 and r.evicted_blocks > 0 and r.dropped_blocks > 0
+    assert r.worker_stats["d2d_blocks"] > 0
+
+
+def _memmove_swap(src, dst, sizes, is_src_access_order_any=False):
+    """swap_blocks_batch on the CPU: copy each descriptor's bytes between real addresses."""
+    import ctypes
+
+    for a, b, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        ctypes.memmove(b, a, n)
+
+
+class _MemmoveBatchWorker(IonKVTierWorker):
+    """The CUDA copier's address arithmetic (BatchCopier), executed with memmove."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        assert isinstance(self.copier, BatchCopier)
+        self.copier._swap = _memmove_swap
+        self.descriptor_sizes = []
+        swap = self.copier._swap
+
+        def counting(src, dst, sizes, is_src_access_order_any=False):
+            self.descriptor_sizes += sizes.tolist()
+            swap(src, dst, sizes, is_src_access_order_any)
+
+        self.copier._swap = counting
+
+
+@pytest.mark.parametrize("host_layout", ["slot", "tensor"])
+@pytest.mark.parametrize("layout", ["ion", "kv_first"])
+def test_batch_copier_addresses(layout, host_layout):
+    """Every descriptor the CUDA path would hand cuMemcpyBatchAsync moves the right bytes:
+    3,000 random operations with the copies done by memmove at those addresses."""
+    made = []
+
+    class W(_MemmoveBatchWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    r = run_random_ops(31, 3000, layout=layout, copier="batch", worker_cls=W,
+                       host_layout=host_layout)
+    assert r.restored_blocks > 100
+    sizes = set(made[0].descriptor_sizes)
+    pages = set(made[0].page_bytes)
+    if host_layout == "slot":  # one descriptor per block and tensor
+        assert sizes == pages
+    else:  # runs of consecutive blocks went as one descriptor
+        assert any(z > max(pages) for z in sizes)
+        assert all(any(z % p == 0 for p in pages) for z in sizes)
 
 
 def test_random_ops_10k_without_ring():
@@ -55,7 +112,8 @@ def test_random_ops_configs(seed):
                    num_gpu_blocks=rng.randint(12, 64), num_host_blocks=rng.randint(4, 80),
                    ring_slots=ring_slots, window=rng.randint(1, 40),
                    overflow=rng.choice(["direct", "defer"]) if ring_slots else "direct",
-                   completion=rng.choice(["read", "host"]))
+                   completion=rng.choice(["read", "host"]),
+                   host_layout=rng.choice(["slot", "tensor"]))
 
 
 def test_eager_runtime_never_defers_forever():

@@ -186,6 +186,11 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
     assert worker_of({"store_completion": "host"}).completion == "host"
     with pytest.raises(ValueError, match="store_completion"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "store_completion": "drain"}))
+    # host layout: one row per block by default, one region per tensor selectable
+    assert worker_of({}).host_layout == "slot"
+    assert worker_of({"host_layout": "tensor"}).copier.layout == "tensor"
+    with pytest.raises(ValueError, match="host_layout"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "host_layout": "rows"}))
     # ring_mib 0: no ring, every block direct; with "defer" nothing would ever be stored
     w0 = worker_of({"ring_mib": 0})
     assert w0.ring.num_slots == 0 and w0.ring.nbytes == 0

@@ -23,6 +23,9 @@ kv_connector_extra_config keys:
   store_completion              "read" (default) | "host": report a store finished
                                 once its GPU source blocks were read, or once its
                                 bytes are in host memory (see worker.py)
+  host_layout                   "slot" (default) | "tensor": one host row per block,
+                                or one host region per KV tensor, in which a run of
+                                consecutive blocks is one copy (see worker.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -38,7 +41,11 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
-from ion_vllm.kv_tier.staging_ring import check_overflow, check_store_completion
+from ion_vllm.kv_tier.staging_ring import (
+    check_host_layout,
+    check_overflow,
+    check_store_completion,
+)
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
 
 logger = init_logger(__name__)
@@ -145,16 +152,18 @@ class IonKVTierSpec(OffloadingSpec):
                              "'direct': deferred blocks would wait for slots forever")
         self.store_completion = check_store_completion(
             str(extra.get("store_completion", "read")), "store_completion")
+        self.host_layout = check_host_layout(str(extra.get("host_layout", "slot")),
+                                             "host_layout")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
-            "store completion %s",
+            "store completion %s, host layout %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
-            self.ring_overflow, self.store_completion)
+            self.ring_overflow, self.store_completion, self.host_layout)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -179,6 +188,7 @@ class IonKVTierSpec(OffloadingSpec):
                 verify=self.verify,
                 overflow=self.ring_overflow,
                 completion=self.store_completion,
+                host_layout=self.host_layout,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -36,6 +36,12 @@ OVERFLOW_POLICIES = ("direct", "defer")
 STORE_COMPLETION = ("read", "host")
 
 
+#: how the host pool (and the ring) store a block's pages: one slot per block with every
+#: tensor's page in it ("slot", the default), or one region per KV tensor ("tensor"); see
+#: TorchCopier in ion_vllm/kv_tier/worker.py
+HOST_LAYOUTS = ("slot", "tensor")
+
+
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
     if value not in choices:
         raise ValueError(f"Ion KV tier: {name} must be one of {choices}, not {value!r}")
@@ -51,6 +57,11 @@ def check_overflow(policy: str, name: str = "overflow") -> str:
 def check_store_completion(point: str, name: str = "store_completion") -> str:
     """``point`` if it is one of STORE_COMPLETION, else a ValueError naming ``name``."""
     return _check_choice(point, STORE_COMPLETION, name)
+
+
+def check_host_layout(layout: str, name: str = "host_layout") -> str:
+    """``layout`` if it is one of HOST_LAYOUTS, else a ValueError naming ``name``."""
+    return _check_choice(layout, HOST_LAYOUTS, name)
 
 
 class RingAllocator:

@@ -112,6 +112,7 @@ def run_random_ops(
     runtime=None,
     overflow: str = "direct",
     completion: str = "read",
+    host_layout: str = "slot",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -120,7 +121,8 @@ def run_random_ops(
     worker = worker_cls(kvm.canonical, num_host_blocks=num_host_blocks,
                         ring_bytes=ring_slots * slot + slot // 2 if ring_slots else 0,
                         runtime=rt, copier=copier, pin_memory=(device == "cuda"),
-                        log_interval_s=0, overflow=overflow, completion=completion)
+                        log_interval_s=0, overflow=overflow, completion=completion,
+                        host_layout=host_layout)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()

@@ -11,9 +11,13 @@ layout whose outer dim is K/V (``[2, num_blocks, P, Hkv, D]``), use
 ``canonicalize_layer_caches`` which splits it into a K and a V tensor, each
 blocks-first; the worker itself only ever sees blocks-first rows.
 
-A host block (and a ring slot) is the concatenation of the block's bytes in
-every canonical tensor: ``slot_bytes = sum(page_size_bytes)`` (= vLLM's
-``worker_kv_bytes_per_block``).
+A host block (and a ring slot) holds the block's bytes in every canonical tensor:
+``slot_bytes = sum(page_size_bytes)`` (= vLLM's ``worker_kv_bytes_per_block``).
+``host_layout`` says how: ``"slot"`` (default) concatenates them in one row per
+block; ``"tensor"`` keeps one region per canonical tensor in the same buffers, so
+that a run of consecutive blocks of one tensor is contiguous on the host as it is
+on the GPU, and a direct copy of such a run is one descriptor (see
+``TorchCopier``).
 
 Store (one job = the new full blocks of one request in one step)
 ------------------------------------------------------------------
@@ -117,7 +121,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
-from ion_vllm.kv_tier.staging_ring import StagingRing, check_overflow, check_store_completion
+from ion_vllm.kv_tier.staging_ring import (
+    StagingRing,
+    check_host_layout,
+    check_overflow,
+    check_store_completion,
+)
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -199,15 +208,41 @@ def _runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 
 class TorchCopier:
-    """Block copies with plain torch ops; any device (CPU tests, CUDA fallback)."""
+    """Block copies with plain torch ops; any device (CPU tests, CUDA fallback).
+
+    The host pool and the ring are ``[rows, slot_bytes]`` int8 buffers.  ``layout``
+    says where tensor ``t``'s page of row ``r`` lives (``view``):
+    * ``"slot"``: row ``r`` holds one block, every tensor's page at ``offsets[t]``;
+    * ``"tensor"``: the buffer is ``len(tensors)`` regions, one per tensor, each
+      ``[rows, page_bytes[t]]``; a run of consecutive blocks of one tensor is then one
+      contiguous range, as it is in the GPU tensor (vLLM's native CPU worker keeps one
+      host tensor per KV tensor the same way).
+    """
 
     name = "torch"
 
     def __init__(self, tensors: list[torch.Tensor], offsets: list[int],
-                 group_refs: list[list[tuple[int, int]]]):
+                 group_refs: list[list[tuple[int, int]]], layout: str = "slot",
+                 page_bytes: Sequence[int] | None = None):
         self.tensors = tensors
         self.offsets = offsets
         self.group_refs = group_refs
+        self.layout = check_host_layout(layout)
+        if page_bytes is None:  # widest page each tensor is copied with
+            page_bytes = [0] * len(tensors)
+            for g in group_refs:
+                for t, nb in g:
+                    page_bytes[t] = max(page_bytes[t], nb)
+        self.page_bytes = [int(x) for x in page_bytes]
+
+    def view(self, buf: torch.Tensor, t: int, nb: int | None = None) -> torch.Tensor:
+        """``[rows, nb]`` view of tensor ``t``'s pages in a host/ring buffer."""
+        nb = self.page_bytes[t] if nb is None else nb
+        if self.layout == "slot":
+            return buf[:, self.offsets[t]:self.offsets[t] + nb]
+        rows, o = buf.shape[0], self.offsets[t]
+        return buf.view(-1)[rows * o:rows * (o + self.page_bytes[t])].view(
+            rows, self.page_bytes[t])[:, :nb]
 
     def gather(self, ring: torch.Tensor, start: int, group: int,
                gpu_ids: np.ndarray) -> None:
@@ -215,35 +250,43 @@ class TorchCopier:
         for t, nb in self.group_refs[group]:
             src = self.tensors[t]
             idx = torch.from_numpy(gpu_ids).to(src.device)
-            off = self.offsets[t]
-            ring[start:start + n, off:off + nb].copy_(src.index_select(0, idx)[:, :nb])
+            self.view(ring, t, nb)[start:start + n].copy_(src.index_select(0, idx)[:, :nb])
 
     def drain(self, ring: torch.Tensor, start: int, host: torch.Tensor,
               host_ids: np.ndarray) -> None:
         slots = np.arange(start, start + len(host_ids))
         for i0, i1, s0, h0 in _runs(slots, host_ids):
-            host[h0:h0 + (i1 - i0)].copy_(ring[s0:s0 + (i1 - i0)], non_blocking=True)
+            n = i1 - i0
+            if self.layout == "slot":  # whole slots: one copy per run
+                host[h0:h0 + n].copy_(ring[s0:s0 + n], non_blocking=True)
+                continue
+            for t in range(len(self.tensors)):
+                self.view(host, t)[h0:h0 + n].copy_(self.view(ring, t)[s0:s0 + n],
+                                                    non_blocking=True)
 
     def to_host(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
                 host_ids: np.ndarray) -> None:
         for t, nb in self.group_refs[group]:
-            src, off = self.tensors[t], self.offsets[t]
+            src, dst = self.tensors[t], self.view(host, t, nb)
             for i0, i1, g0, h0 in _runs(gpu_ids, host_ids):
                 n = i1 - i0
-                host[h0:h0 + n, off:off + nb].copy_(src[g0:g0 + n, :nb], non_blocking=True)
+                dst[h0:h0 + n].copy_(src[g0:g0 + n, :nb], non_blocking=True)
 
     def to_gpu(self, host: torch.Tensor, group: int, host_ids: np.ndarray,
                gpu_ids: np.ndarray) -> None:
         for t, nb in self.group_refs[group]:
-            dst, off = self.tensors[t], self.offsets[t]
+            dst, src = self.tensors[t], self.view(host, t, nb)
             for i0, i1, h0, g0 in _runs(host_ids, gpu_ids):
                 n = i1 - i0
-                dst[g0:g0 + n, :nb].copy_(host[h0:h0 + n, off:off + nb], non_blocking=True)
+                dst[g0:g0 + n, :nb].copy_(src[h0:h0 + n], non_blocking=True)
 
 
 class BatchCopier(TorchCopier):
     """CUDA: all block x layer copies of one call in one driver call
-    (vLLM's swap_blocks_batch -> cuMemcpyBatchAsync)."""
+    (vLLM's swap_blocks_batch -> cuMemcpyBatchAsync).  Where a tensor's rows are
+    contiguous on both sides (GPU row stride == host/ring row stride == page bytes,
+    e.g. the ``tensor`` layout, or a single cross-layer KV tensor), a run of
+    consecutive blocks is one descriptor."""
 
     name = "batch"
 
@@ -264,28 +307,40 @@ class BatchCopier(TorchCopier):
                    torch.from_numpy(sizes.astype(np.int64)),
                    is_src_access_order_any=src_any)
 
-    def _ptrs(self, group: int, gpu_ids: np.ndarray, other_base: int,
-              other_ids: np.ndarray, other_stride: int):
+    def _ptrs(self, group: int, gpu_ids: np.ndarray, buf: torch.Tensor,
+              other_ids: np.ndarray):
+        """(GPU addresses, host/ring addresses, sizes) of the copies of ``group``'s
+        tensors between GPU blocks ``gpu_ids`` and rows ``other_ids`` of ``buf``."""
         src, dst, sz = [], [], []
         g = gpu_ids.astype(np.int64)
         o = other_ids.astype(np.int64)
         for t, nb in self.group_refs[group]:
-            src.append(self._base[t] + g * self._stride[t])
-            dst.append(other_base + o * other_stride + self.offsets[t])
-            sz.append(np.full(len(g), nb, dtype=np.int64))
+            v = self.view(buf, t, nb)
+            gs, os_ = self._stride[t], v.stride(0)
+            if gs == nb and os_ == nb:  # contiguous on both sides: one copy per run
+                runs = _runs(g, o)
+                src.append(np.array([self._base[t] + a * gs for _, _, a, _ in runs],
+                                    dtype=np.int64))
+                dst.append(np.array([v.data_ptr() + b * os_ for _, _, _, b in runs],
+                                    dtype=np.int64))
+                sz.append(np.array([(i1 - i0) * nb for i0, i1, _, _ in runs], dtype=np.int64))
+            else:
+                src.append(self._base[t] + g * gs)
+                dst.append(v.data_ptr() + o * os_)
+                sz.append(np.full(len(g), nb, dtype=np.int64))
         return np.concatenate(src), np.concatenate(dst), np.concatenate(sz)
 
     def gather(self, ring, start, group, gpu_ids):
         slots = np.arange(start, start + len(gpu_ids))
-        s, d, z = self._ptrs(group, gpu_ids, ring.data_ptr(), slots, ring.stride(0))
+        s, d, z = self._ptrs(group, gpu_ids, ring, slots)
         self._submit(s, d, z, src_any=False)
 
     def to_host(self, host, group, gpu_ids, host_ids):
-        s, d, z = self._ptrs(group, gpu_ids, host.data_ptr(), host_ids, host.stride(0))
+        s, d, z = self._ptrs(group, gpu_ids, host, host_ids)
         self._submit(s, d, z, src_any=False)
 
     def to_gpu(self, host, group, host_ids, gpu_ids):
-        g_ptr, h_ptr, z = self._ptrs(group, gpu_ids, host.data_ptr(), host_ids, host.stride(0))
+        g_ptr, h_ptr, z = self._ptrs(group, gpu_ids, host, host_ids)
         self._submit(h_ptr, g_ptr, z, src_any=True)
 
 
@@ -479,6 +534,7 @@ class IonKVTierWorker(OffloadingWorker):
         verify: bool | None = None,
         overflow: str = "direct",
         completion: str = "read",
+        host_layout: str = "slot",
     ):
         self.overflow = check_overflow(overflow)
         self.completion = check_store_completion(completion, "completion")
@@ -512,7 +568,9 @@ class IonKVTierWorker(OffloadingWorker):
                 except Exception:  # pragma: no cover - missing vLLM CUDA ops
                     copier = "torch"
         cls = BatchCopier if copier == "batch" else TorchCopier
-        self.copier = cls(self.tensors, self.offsets, group_refs)
+        self.host_layout = check_host_layout(host_layout)
+        self.copier = cls(self.tensors, self.offsets, group_refs, layout=self.host_layout,
+                          page_bytes=self.page_bytes)
         if pin_memory is None:
             pin_memory = is_cuda
         self.num_host_blocks = num_host_blocks
