@@ -24,7 +24,8 @@ Store (one job = the new full blocks of one request in one step)
 1. D2D on a high-priority stream, after the compute stream: gather the GPU
    blocks into a contiguous run of ring slots.
 2. Drain on a low-priority stream, after (1): copy the ring run to the host
-   blocks (runs of consecutive host ids are one memcpy each).
+   blocks (one memcpy per run of consecutive host ids; per run and tensor in the
+   ``tensor`` host layout).
 3. When the drain completes the slots go back to the ring.
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
