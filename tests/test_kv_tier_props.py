@@ -151,10 +151,13 @@ class _LoadIgnoresDrainWorker(IonKVTierWorker):
 
 
 class _WriteOverPendingDrainWorker(IonKVTierWorker):
-    """Writes a host block without waiting for an older, still-running drain into it."""
+    """Writes a host block without waiting for an older, still-running drain into it
+    (loads still wait)."""
 
     def _after_pending_writes(self, stream, host_ids):
-        return
+        if stream is self._load:
+            return super()._after_pending_writes(stream, host_ids)
+        return False
 
 
 class _UnorderedSim(SimRuntime):

@@ -610,12 +610,16 @@ class IonKVTierWorker(OffloadingWorker):
                 "this costs GPU time and a sync per finished load - a test mode",
                 ENV_VERIFY, self.device)
 
+    def _nbytes(self, groups: np.ndarray) -> int:
+        """Bytes of the blocks whose KV groups are ``groups`` (one entry per block)."""
+        return int(sum(self.group_bytes[g] for g in groups))
+
     # ------------------------------------------------------------ stores
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
         groups, gpu, host = _flatten(src_spec, dst_spec)
-        nbytes = int(sum(self.group_bytes[g] for g in groups))
+        nbytes = self._nbytes(groups)
         job = _StoreJob(job_id, groups, gpu, host, nbytes)
         self._stores[job_id] = job
         self.stats.store_jobs += 1
@@ -769,23 +773,25 @@ class IonKVTierWorker(OffloadingWorker):
         for h in job.host[a:b].tolist():
             self._host_pending[h] = ev1
         job.next_item = b
-        return b - a, int(sum(self.group_bytes[g] for g in job.groups[a:b]))
+        return b - a, self._nbytes(job.groups[a:b])
 
-    def _after_pending_writes(self, stream: Any, host_ids: np.ndarray) -> None:
+    def _after_pending_writes(self, stream: Any, host_ids: np.ndarray) -> bool:
         """Order work queued next on ``stream`` after every still-pending write into
-        these host blocks.  With ``completion="read"`` a host block can be evicted and
-        handed to a new store while its old drain is still running."""
+        these host blocks (loads read them; with ``completion="read"`` a host block can
+        also be evicted and handed to a new store while its old drain still runs).
+        Returns whether there was any such write."""
         waits = {id(ev): ev for h in host_ids.tolist()
                  if (ev := self._host_pending.get(h)) is not None}
         for ev in waits.values():
             self.rt.wait_event(stream, ev)
+        return bool(waits)
 
     def _host_written(self, p: _Piece) -> None:
         """``p``'s bytes are in host memory: account its D2H copy and forget the
         pending writes it was the last of."""
         job = p.job
         dt = self.rt.elapsed(p.start, p.end)
-        nbytes = int(sum(self.group_bytes[g] for g in job.groups[p.first:p.first + p.count]))
+        nbytes = self._nbytes(job.groups[p.first:p.first + p.count])
         if p.spill:
             self.stats.spill_seconds += dt
         elif p.ring_run is None:
@@ -831,19 +837,15 @@ class IonKVTierWorker(OffloadingWorker):
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
         rt, cp = self.rt, self.copier
         groups, gpu, host = _flatten(dst_spec, src_spec)
-        waits = {id(ev): ev for h in host.tolist()
-                 if (ev := self._host_pending.get(h)) is not None}
         # no rt.wait_current(self._load): see "Load" in the module docstring
-        for ev in waits.values():
-            rt.wait_event(self._load, ev)
-        self.stats.loads_ordered_after_drain += bool(waits)
+        self.stats.loads_ordered_after_drain += self._after_pending_writes(self._load, host)
         ev0 = rt.record(self._load)
         for g, i0, i1 in _group_runs(groups, 0, len(gpu)):
             hids, gids = host[i0:i1], gpu[i0:i1]
             rt.launch(self._load, lambda g=g, hids=hids, gids=gids:
                       cp.to_gpu(self.host, g, hids, gids))
         ev1 = rt.record(self._load)
-        nbytes = int(sum(self.group_bytes[g] for g in groups))
+        nbytes = self._nbytes(groups)
         ld = _LoadJob(job_id, nbytes, len(gpu), ev0, ev1)
         if self.verify:
             ld.groups, ld.gpu, ld.host = groups, gpu, host
