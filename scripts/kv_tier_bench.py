@@ -62,17 +62,11 @@ CONFIGS = ("none", "native", *ION_CONFIGS)
 
 def offload_transfer_config(name: str, host_bytes: int, ring_mib: float) -> dict | None:
     """The kv_transfer_config of config ``name`` (None: no offloading)."""
-    if name == "native":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes,
-                                              "offload_prompt_only": False}}
+    from ion_vllm.bench.offload_configs import offload_transfer_config as tier_config
+
     if name in ION_CONFIGS:
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-                    "cpu_bytes_to_use": host_bytes, "ring_mib": ring_mib,
-                    **ION_CONFIGS[name]}}
-    return None
+        return tier_config("ion", host_bytes, **{"ring_mib": ring_mib, **ION_CONFIGS[name]})
+    return tier_config(name, host_bytes)
 
 
 def has_weights(model_dir: str) -> bool:

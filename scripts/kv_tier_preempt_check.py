@@ -84,17 +84,15 @@ def child(cfg: dict) -> dict:
 def offload_config(cfg: dict) -> dict:
     """--kv-transfer-config of the run with offloading: the Ion tier, or (``spec:
     native``) vLLM's own CPUOffloadingSpec with decode blocks stored too, for comparison."""
+    from ion_vllm.bench.offload_configs import offload_transfer_config
+
     host = int(cfg["host_gib"] * (1 << 30))
     if cfg.get("spec", "ion") == "native":
-        extra = {"cpu_bytes_to_use": host, "offload_prompt_only": False}
-    else:
-        from ion_vllm.kv_tier import register_kv_tier
+        return offload_transfer_config("native", host)
+    from ion_vllm.kv_tier import register_kv_tier
 
-        register_kv_tier()
-        extra = {"spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-                 "cpu_bytes_to_use": host, "ring_mib": cfg["ring_mib"]}
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+    register_kv_tier()
+    return offload_transfer_config("ion", host, ring_mib=cfg["ring_mib"])
 
 
 def make_prompts(n: int, vocab: int, prefix_len: int, suffix_len: int, n_prefixes: int,
