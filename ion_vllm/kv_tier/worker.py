@@ -236,14 +236,19 @@ class TorchCopier:
                     page_bytes[t] = max(page_bytes[t], nb)
         self.page_bytes = [int(x) for x in page_bytes]
 
+    def placement(self, buf: torch.Tensor, t: int) -> tuple[int, int]:
+        """(byte offset of row 0, row stride in bytes) of tensor ``t``'s pages in a
+        host/ring buffer."""
+        if self.layout == "slot":
+            return self.offsets[t], buf.stride(0)
+        return buf.shape[0] * self.offsets[t], self.page_bytes[t]
+
     def view(self, buf: torch.Tensor, t: int, nb: int | None = None) -> torch.Tensor:
         """``[rows, nb]`` view of tensor ``t``'s pages in a host/ring buffer."""
         nb = self.page_bytes[t] if nb is None else nb
-        if self.layout == "slot":
-            return buf[:, self.offsets[t]:self.offsets[t] + nb]
-        rows, o = buf.shape[0], self.offsets[t]
-        return buf.view(-1)[rows * o:rows * (o + self.page_bytes[t])].view(
-            rows, self.page_bytes[t])[:, :nb]
+        off, stride = self.placement(buf, t)
+        return torch.as_strided(buf, (buf.shape[0], nb), (stride, 1),
+                                buf.storage_offset() + off)
 
     def gather(self, ring: torch.Tensor, start: int, group: int,
                gpu_ids: np.ndarray) -> None:
@@ -316,18 +321,17 @@ class BatchCopier(TorchCopier):
         g = gpu_ids.astype(np.int64)
         o = other_ids.astype(np.int64)
         for t, nb in self.group_refs[group]:
-            v = self.view(buf, t, nb)
-            gs, os_ = self._stride[t], v.stride(0)
+            off, os_ = self.placement(buf, t)
+            base, gs = buf.data_ptr() + off, self._stride[t]
             if gs == nb and os_ == nb:  # contiguous on both sides: one copy per run
                 runs = _runs(g, o)
                 src.append(np.array([self._base[t] + a * gs for _, _, a, _ in runs],
                                     dtype=np.int64))
-                dst.append(np.array([v.data_ptr() + b * os_ for _, _, _, b in runs],
-                                    dtype=np.int64))
+                dst.append(np.array([base + b * os_ for _, _, _, b in runs], dtype=np.int64))
                 sz.append(np.array([(i1 - i0) * nb for i0, i1, _, _ in runs], dtype=np.int64))
             else:
                 src.append(self._base[t] + g * gs)
-                dst.append(v.data_ptr() + o * os_)
+                dst.append(base + o * os_)
                 sz.append(np.full(len(g), nb, dtype=np.int64))
         return np.concatenate(src), np.concatenate(dst), np.concatenate(sz)
 
