@@ -23,7 +23,7 @@
 #           then, once all are up, measure one at a time, repeats interleaved)
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
-# KBENCH_BACKENDS, E2E_WORKLOADS (comma-separated, in run order), E2E_BACKENDS,
+# KBENCH_BACKENDS, COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order), E2E_BACKENDS,
 # E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
@@ -55,8 +55,10 @@ if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
 fi
 if want copy; then
-  step copy 240 python3 scripts/kv_tier_copy_bench.py --out "$out/copy"
-  step copy-random 240 python3 scripts/kv_tier_copy_bench.py --ids random --out "$out/copy-random"
+  for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random
+    name=copy; [ "$ids" = runs ] || name=copy-$ids
+    step "$name" 240 python3 scripts/kv_tier_copy_bench.py --ids "$ids" --out "$out/$name"
+  done
 fi
 if want preempt; then
   mkdir -p "$out/preempt"

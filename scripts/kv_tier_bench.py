@@ -10,7 +10,8 @@ the policy before 2026-11-29's fifth session), `ion-host` (store_completion=host
 completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, every
 block copied GPU -> host directly, i.e. native's data path under Ion's manager),
 `ion-tensor` (host_layout=tensor: one host region per KV tensor, runs of consecutive
-blocks copied as one descriptor).
+blocks copied as one descriptor), `ion-cegather` (ring_gather=copier: the GPU -> ring
+copies on the copy engines, the data path before the seventh session).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -56,6 +57,7 @@ ION_CONFIGS = {
     "ion-host": {"store_completion": "host"},
     "ion-noring": {"ring_mib": 0},
     "ion-tensor": {"host_layout": "tensor"},
+    "ion-cegather": {"ring_gather": "copier"},
 }
 CONFIGS = ("none", "native", *ION_CONFIGS)
 

@@ -6,9 +6,10 @@ Why: in the sixth session's reuse benchmark Ion's direct GPU->host copies measur
 45 GB/s (ring off, `ion-noring`) against native's 52.5 GB/s for the same bytes
 (bench/notes.md, "Sixth session").  This isolates the copy path from the scheduler.
 
-Per worker (`ion`: Ion worker with its defaults, `ion-noring`: ring_mib 0, `-tensor`:
-either with host_layout="tensor", `native`: vllm.v1.kv_offload.cpu.gpu_worker.
-CPUOffloadingWorker), in interleaved rounds:
+Per worker (`ion`: Ion worker with its defaults, `ion-cegather`: its GPU -> ring gather
+on the copy engines (ring_gather="copier", the default before the seventh session),
+`ion-noring`: ring_mib 0, `-tensor`: either with host_layout="tensor", `native`:
+vllm.v1.kv_offload.cpu.gpu_worker.CPUOffloadingWorker), in interleaved rounds:
   1. stores: J jobs of B random GPU blocks each are submitted back to back, then the
      worker is polled until all are finished; the wall time from the first submit to
      the end of the last device copy gives the D2H GB/s, and the sum of per-job device
@@ -44,7 +45,7 @@ import time
 import numpy as np
 import torch
 
-WORKERS = ("ion", "ion-noring", "ion-tensor", "ion-noring-tensor", "native")
+WORKERS = ("ion", "ion-cegather", "ion-noring", "ion-tensor", "ion-noring-tensor", "native")
 
 
 def plan_jobs(num_gpu_blocks: int, jobs: int, blocks_per_job: int, seed: int,
@@ -92,7 +93,8 @@ def build_worker(name: str, canonical, num_host_blocks: int, ring_mib: float):
     ring = 0 if name.startswith("ion-noring") else int(ring_mib * (1 << 20))
     return IonKVTierWorker(canonical, num_host_blocks=num_host_blocks, ring_bytes=ring,
                            log_interval_s=0,
-                           host_layout="tensor" if name.endswith("-tensor") else "slot")
+                           host_layout="tensor" if name.endswith("-tensor") else "slot",
+                           ring_gather="copier" if name == "ion-cegather" else "auto")
 
 
 def host_block(worker, canonical, host_id: int) -> list[torch.Tensor]:
@@ -215,7 +217,7 @@ def table(res: dict) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", default="ion,ion-noring,ion-tensor,ion-noring-tensor,native")
+    p.add_argument("--workers", default="ion,ion-cegather,ion-noring,native")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)

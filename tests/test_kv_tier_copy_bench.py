@@ -39,7 +39,7 @@ def test_plan_jobs_id_patterns(ids):
 
 
 def test_cpu_run_checks_every_block(capsys):
-    ws = ["ion", "ion-noring", "ion-tensor", "ion-noring-tensor"]
+    ws = ["ion", "ion-cegather", "ion-noring", "ion-tensor", "ion-noring-tensor"]
     res = B.run(B.parse_args(TINY + ["--workers", ",".join(ws)]))
     assert set(res["summary"]) == set(ws)
     assert [(r["worker"], r["round"]) for r in res["rounds"]] == [

@@ -7,16 +7,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ring_gather", ["kernel", "copier"])
 @pytest.mark.parametrize("host_layout", ["slot", "tensor"])
 @pytest.mark.parametrize("copier", ["batch", "torch"])
 @pytest.mark.parametrize("layout", ["ion", "kv_first"])
-def test_random_ops_cuda(copier, layout, host_layout):
+def test_random_ops_cuda(copier, layout, host_layout, ring_gather):
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
 
     r = run_random_ops(21, 3000, layout=layout, copier=copier, device="cuda",
-                       runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout)
+                       runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout,
+                       ring_gather=ring_gather)
     assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["d2d_blocks"] > 0  # the ring path (and its gather) ran
     assert r.worker_stats["ring_peak_slots"] <= r.worker_stats["ring_slots"]
 
 

@@ -129,6 +129,7 @@ def test_kv_tier_bench_configs_select_the_spec_and_its_variants():
     assert ext("ion-host") == {**base, "store_completion": "host"}
     assert ext("ion-noring") == {**base, "ring_mib": 0}
     assert ext("ion-tensor") == {**base, "host_layout": "tensor"}
+    assert ext("ion-cegather") == {**base, "ring_gather": "copier"}
     from ion_vllm.bench.offload_configs import offload_transfer_config
     with pytest.raises(ValueError, match="tier"):
         offload_transfer_config("bogus", hb)

@@ -26,6 +26,9 @@ kv_connector_extra_config keys:
   host_layout                   "slot" (default) | "tensor": one host row per block,
                                 or one host region per KV tensor, in which a run of
                                 consecutive blocks is one copy (see worker.py)
+  ring_gather                   "auto" (default) | "kernel" | "copier": GPU -> ring
+                                copies by one Triton launch on the SMs, or by the
+                                copier (copy-engine descriptors; see page_gather.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -44,6 +47,7 @@ from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
     check_host_layout,
     check_overflow,
+    check_ring_gather,
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
@@ -154,16 +158,18 @@ class IonKVTierSpec(OffloadingSpec):
             str(extra.get("store_completion", "read")), "store_completion")
         self.host_layout = check_host_layout(str(extra.get("host_layout", "slot")),
                                              "host_layout")
+        self.ring_gather = check_ring_gather(str(extra.get("ring_gather", "auto")),
+                                             "ring_gather")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
-            "store completion %s, host layout %s",
+            "store completion %s, host layout %s, ring gather %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
-            self.ring_overflow, self.store_completion, self.host_layout)
+            self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -189,6 +195,7 @@ class IonKVTierSpec(OffloadingSpec):
                 overflow=self.ring_overflow,
                 completion=self.store_completion,
                 host_layout=self.host_layout,
+                ring_gather=self.ring_gather,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

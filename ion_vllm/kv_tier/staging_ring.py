@@ -41,6 +41,11 @@ STORE_COMPLETION = ("read", "host")
 #: TorchCopier in ion_vllm/kv_tier/worker.py
 HOST_LAYOUTS = ("slot", "tensor")
 
+#: how blocks are copied GPU -> ring: one Triton launch on the SMs ("kernel"), the
+#: copier's gather (one copy-engine descriptor per page with the batch copier: "copier"),
+#: or the kernel where CUDA and Triton are there ("auto"); see page_gather.py
+RING_GATHERS = ("auto", "kernel", "copier")
+
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
     if value not in choices:
@@ -62,6 +67,11 @@ def check_store_completion(point: str, name: str = "store_completion") -> str:
 def check_host_layout(layout: str, name: str = "host_layout") -> str:
     """``layout`` if it is one of HOST_LAYOUTS, else a ValueError naming ``name``."""
     return _check_choice(layout, HOST_LAYOUTS, name)
+
+
+def check_ring_gather(choice: str, name: str = "ring_gather") -> str:
+    """``choice`` if it is one of RING_GATHERS, else a ValueError naming ``name``."""
+    return _check_choice(choice, RING_GATHERS, name)
 
 
 class RingAllocator:

@@ -113,6 +113,7 @@ def run_random_ops(
     overflow: str = "direct",
     completion: str = "read",
     host_layout: str = "slot",
+    ring_gather: str = "auto",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -122,7 +123,7 @@ def run_random_ops(
                         ring_bytes=ring_slots * slot + slot // 2 if ring_slots else 0,
                         runtime=rt, copier=copier, pin_memory=(device == "cuda"),
                         log_interval_s=0, overflow=overflow, completion=completion,
-                        host_layout=host_layout)
+                        host_layout=host_layout, ring_gather=ring_gather)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()
