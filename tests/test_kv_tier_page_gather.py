@@ -95,3 +95,22 @@ def test_refusals():
     r = run_random_ops(1, 50, ring_gather="auto")  # CPU: the copier's gather
     assert r.worker_stats["d2d_blocks"] > 0
     assert np.isfinite(r.worker_stats["ring_slots"])
+
+
+def test_kernel_compiles_for_sm90_on_the_cpu():
+    """The same kernel, compiled for Hopper without a GPU (Triton ships ptxas)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ion_vllm.kv_tier.page_gather import CHUNK_BYTES, _gather_pages_kernel
+
+    src = ASTSource(fn=_gather_pages_kernel, constexprs={"CHUNK": CHUNK_BYTES},
+                    signature={"ids_ptr": "*i64", "tab_ptr": "*i64", "ring_base": "i64",
+                               "slot0": "i32", "CHUNK": "constexpr"})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert re.search(r"ld\.global\.\S*b64", ptx) and re.search(r"st\.global\.\S*b64", ptx)
