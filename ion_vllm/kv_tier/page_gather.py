@@ -34,7 +34,10 @@ ALIGN = 16  # every address and page size must be a multiple (checked on the hos
 
 if triton is not None:
 
-    @triton.jit
+    # slot0 varies per call: unspecialized, so the warm-up compile at worker start is the
+    # only one (Triton would otherwise compile again for slot0 == 1 and for multiples of
+    # 16, inside a forward step; vLLM's JIT monitor flagged that on the H200)
+    @triton.jit(do_not_specialize=["slot0"])
     def _gather_pages_kernel(ids_ptr, tab_ptr, ring_base, slot0,
                              CHUNK: tl.constexpr):
         """Program (i, t, c): chunk c of tensor t's page of block ids[i] -> ring row
