@@ -137,7 +137,11 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     n_in = n_out = 0
     t0 = time.perf_counter()
     W = cfg["wave"]
-    for _turn in range(cfg["turns"]):
+    # prompt tokens served from a cache (GPU prefix cache + tier), per turn: where hits
+    # are lost (the tier-wide host hit rate mixes turns, preempted re-lookups and retries)
+    cached = [0] * cfg["turns"]
+    prompted = [0] * cfg["turns"]
+    for turn in range(cfg["turns"]):
         for w in range(0, len(convs), W):
             idx = list(range(w, min(w + W, len(convs))))
             for i in idx:
@@ -149,6 +153,8 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
                 convs[i] = convs[i] + out
                 n_in += len(r.prompt_token_ids)
                 n_out += len(out)
+                prompted[turn] += len(r.prompt_token_ids)
+                cached[turn] += r.num_cached_tokens or 0
                 if r.metrics is not None and r.metrics.first_token_latency:
                     ttft.append(r.metrics.first_token_latency)
     wall = time.perf_counter() - t0
@@ -171,9 +177,15 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
                      or gbps("vllm:kv_offload_store_bytes", "vllm:kv_offload_store_time")),
         "h2d_gbps": gbps("vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"),
         "preemptions": d.get("vllm:num_preemptions", 0.0),
+        "cached_frac_by_turn": turn_fractions(cached, prompted),
         "tier_metrics": {k: v for k, v in d.items()
                          if ("kv_offload" in k or "ion_kv_tier" in k) and v},
     }
+
+
+def turn_fractions(cached: list[int], prompted: list[int]) -> list[float | None]:
+    """Per turn: cached prompt tokens / prompt tokens (None for a turn with no prompts)."""
+    return [c / p if p else None for c, p in zip(cached, prompted)]
 
 
 #: fields of a config's result that are averaged over its repeats
@@ -267,11 +279,16 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
             int(r[k]) if isinstance(r.get(k), float) else r.get(k)) for _, k, nd in cols) + " |")
     multi = [r for r in results if r.get("repeats", 1) > 1]
     if multi:
-        lines += ["", "Per repeat:", "", "| config | seed | TTFT p50 ms | total tok/s | host hit "
-                  "| preemptions |", "|---|---|---|---|---|---|"]
+        lines += ["", "Per repeat:", "",
+                  "| config | seed | TTFT p50 ms | total tok/s | host hit | preemptions "
+                  "| cached by turn |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {x['seed']} | {fmt(x['ttft_p50_ms'])} | "
                   f"{fmt(x['total_tok_s'], 0)} | {fmt(x['host_hit_rate'], 3)} | "
-                  f"{fmt(x['preemptions'], 0)} |" for r in multi for x in r["runs"]]
+                  f"{fmt(x['preemptions'], 0)} | "
+                  f"{' / '.join(fmt(v, 3) for v in x.get('cached_frac_by_turn') or [])} |"
+                  for r in multi for x in r["runs"]]
+        lines += ["", "cached by turn: prompt tokens served from a cache (GPU prefix cache or "
+                  "tier) / prompt tokens, turn 1 / 2 / ..."]
     lines += [""] + bar_lines({r["config"]: r for r in results})
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -59,6 +59,7 @@ def test_repeats_are_averaged_with_their_spread_and_listed(tmp_path):
                 "total_tok_s": tok_s, "prompt_tokens": 100, "output_tokens": 10,
                 "gpu_prefix_hit_rate": 0.0, "host_hit_rate": hit, "d2h_gbps": 50.0,
                 "h2d_gbps": None if seed == 1 else 52.0, "preemptions": float(seed),
+                "cached_frac_by_turn": [0.0, 0.5 + seed / 4],
                 "tier_metrics": {"vllm:ion_kv_tier_spill_blocks": 10.0}}
 
     r = bench.combine_repeats("ion", [run(0, 100.0, 30.0, 0.4), run(1, 120.0, 10.0, 0.5)])
@@ -71,3 +72,5 @@ def test_repeats_are_averaged_with_their_spread_and_listed(tmp_path):
     lines = bench.write_results(str(tmp_path), {}, [r], args, 1 << 20, 4 << 20)
     assert "Per repeat:" in lines
     assert sum(1 for x in lines if x.startswith("| ion | ")) == 3  # mean row + 2 repeats
+    assert any(x.startswith("| ion | 1 |") and x.endswith("| 0.000 / 0.750 |") for x in lines)
+    assert bench.turn_fractions([0, 30, 9], [100, 40, 0]) == [0.0, 0.75, None]
