@@ -119,39 +119,46 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     return 2
 
 
-def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
+def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
+                lazy_rescale: bool = False):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
-    two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``)."""
+    two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
+    ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results)."""
     from .attention_sm90 import IonAttentionSm90
 
+    lazy = {"lazy_rescale": True} if lazy_rescale else {}
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
-                                unpacked_prefill=unpacked, consumers=2)
+                                unpacked_prefill=unpacked, consumers=2, **lazy)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=ctas,
-                                unpacked_prefill=True, kv_stages=stages)
+                                unpacked_prefill=True, kv_stages=stages, **lazy)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
-                            variant.page_size, ctas_per_sm=ctas, kv_stages=stages)
+                            variant.page_size, ctas_per_sm=ctas, kv_stages=stages, **lazy)
 
 
-def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1):
+def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
+                      lazy_rescale: bool = False):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
-    ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant."""
+    ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
+    ``lazy_rescale``: of the lazy-rescaling experiment."""
     from .attention_sm90 import IonAttentionSm90
 
+    lazy = {"lazy_rescale": True} if lazy_rescale else {}
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
-                                fresh_kv=True, unpacked_prefill=unpacked, consumers=2).fused
+                                fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
+                                **lazy).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
-                            unpacked_prefill=unpacked).fused
+                            unpacked_prefill=unpacked, **lazy).fused
 
 
 def fused_fake_args(variant: Variant, unpacked: bool = False):
@@ -205,21 +212,23 @@ fake_args = _fake_args
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1):
+def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
+              lazy_rescale: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_kernel(variant, unpacked, consumers),
+        return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1):
+def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
+                    lazy_rescale: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_fused_kernel(variant, unpacked, consumers),
+        return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -264,7 +273,7 @@ class DevicePlan:
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
-                 page_size: int = PAGE_SIZE):
+                 page_size: int = PAGE_SIZE, lazy_rescale: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -281,6 +290,8 @@ class DevicePlan:
         self.always_combine = always_combine
         #: merge split-KV partials with the row-parallel combine kernel (CombineRowsSm90)
         self.row_combine = bool(row_combine)
+        #: run the attention kernels' lazy-rescaling variants (an experiment; same results)
+        self.lazy_rescale = bool(lazy_rescale)
         #: 8 columns for packed-only plans (the default kernels), 9 with unpacked_prefill
         self.work_cols = _work_cols(unpacked)
         self.work = torch.zeros((self.item_capacity, self.work_cols), dtype=torch.int32,
@@ -358,7 +369,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      allow_split: bool = True, max_splits: int = 16,
                      fresh_kv: bool = False, unpacked_prefill: bool = False,
                      tile_m: int = 64, cost_model=None,
-                     row_combine: bool = False) -> DevicePlan:
+                     row_combine: bool = False, lazy_rescale: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -371,7 +382,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     SM count); ``ion_attention`` picks that variant from ``DevicePlan.tile_m``.
     ``cost_model``: the planner's ``CostModel`` (default: the planner's own), e.g. one
     that makes splitting cheap so tests can force split-KV.
-    ``row_combine=True``: split-KV partials are merged by the row-parallel combine kernel."""
+    ``row_combine=True``: split-KV partials are merged by the row-parallel combine kernel.
+    ``lazy_rescale=True``: the attention kernels' lazy-rescaling variants run the plan
+    (``IonAttentionSm90(lazy_rescale=True)``: an experiment, exact like the default)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -389,7 +402,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
-                    tile_m=tile_m, row_combine=row_combine, page_size=page_size)
+                    tile_m=tile_m, row_combine=row_combine, page_size=page_size,
+                    lazy_rescale=lazy_rescale)
     return dp.upload(p)
 
 
@@ -508,13 +522,14 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     unpacked = bool(getattr(plan, "unpacked", False))
     # a tile_m=128 plan runs on the two-consumer-warpgroup variant (128-row q tiles)
     consumers = consumers_for_tile_m(getattr(plan, "tile_m", 64))
+    lazy = bool(getattr(plan, "lazy_rescale", False))
     if fused:
-        _compiled_fused(variant, unpacked, consumers)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers, lazy)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -528,26 +543,28 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
 def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
-               experimental_pages: bool = False) -> None:
+               experimental_pages: bool = False, lazy_rescale: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
     ``consumers``: 1, 2 or a collection of them: the attention kernels of 64-row
     (``tile_m=64`` plans) and / or 128-row (``tile_m=128``) q tiles.  ``row_combine``: the
-    row-parallel combine kernel instead of the default one.
+    row-parallel combine kernel instead of the default one.  ``lazy_rescale``: the
+    attention kernels' lazy-rescaling variants (plans with ``lazy_rescale=True``).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
     variant = variant_for(dtype, head_dim, num_q_heads // num_kv_heads, page_size,
                           experimental_pages=experimental_pages)
     kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
+    lz = bool(lazy_rescale)
     for c in sorted(set(_check_consumers(c) for c in kinds)):
-        _compiled(variant, False, c)
+        _compiled(variant, False, c, lz)
         if fused:
-            _compiled_fused(variant, False, c)
+            _compiled_fused(variant, False, c, lz)
         if unpacked:
-            _compiled(variant, True, c)
+            _compiled(variant, True, c, lz)
             if fused:
-                _compiled_fused(variant, True, c)
+                _compiled_fused(variant, True, c, lz)
     _compiled_combine(variant, row_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

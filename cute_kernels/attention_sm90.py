@@ -78,6 +78,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 TILE_M = 64
+#: lazy_rescale: a row's running max moves only when a page raises it by more than this many
+#: log2 units of the scaled score (P <= 2^8 in between; the threshold FA4 uses)
+LAZY_RESCALE_LOG2 = 8.0
 LOG2_E = 1.4426950408889634
 
 # work-list columns (docs/contract.md)
@@ -94,7 +97,8 @@ class IonAttentionSm90:
 
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
-                 fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1):
+                 fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
+                 lazy_rescale: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -147,6 +151,12 @@ class IonAttentionSm90:
         # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
         self.unpacked = bool(unpacked_prefill)
         self.log2_gp = group_pad.bit_length() - 1
+        # lazy rescaling (an experiment, off by default): a row keeps its running max until
+        # a page raises it by more than LAZY_RESCALE_LOG2 (log2 units of the scaled score),
+        # and O is rescaled only when some row of the thread moved its max.  Exact: O, the
+        # row sum and the split-KV lse all refer to the same (stale) max; P stays <= 2^8.
+        # Compile-time: with False the generated code is unchanged.
+        self.lazy_rescale = bool(lazy_rescale)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -742,7 +752,11 @@ class IonAttentionSm90:
                     self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                     cute.nvgpu.warpgroup.wait_group(0)
                     v_handle.release()
-                    self._rescale(acc_o, corr)
+                    if cutlass.const_expr(self.lazy_rescale):
+                        if corr[0] != 1.0 or corr[1] != 1.0:
+                            self._rescale(acc_o, corr)
+                    else:
+                        self._rescale(acc_o, corr)
                     rP_as_s.store(acc_s.load().to(self.dtype))
                 v_handle = v_cons.wait_and_advance()
                 self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
@@ -900,10 +914,23 @@ class IonAttentionSm90:
                 if cutlass.const_expr((e // 2) % 2 == slot):
                     mx = cute.arch.fmax(mx, acc_s[e])
             mx = cute.arch.warp_reduction_max(mx, threads_in_group=4)
-            m_use = mx
-            if mx == -cutlass.Float32.inf:
-                m_use = cutlass.Float32(0.0)
-            corr[slot] = cute.math.exp2((row_max[slot] - m_use) * scale_log2, fastmath=True)
+            if cutlass.const_expr(self.lazy_rescale):
+                # keep the old max while the new one exceeds it by <= 2^8 in P; a first
+                # finite max (old -inf) always moves it (-inf - -inf = NaN compares False)
+                m_old = row_max[slot]
+                corr[slot] = cutlass.Float32(1.0)
+                if (mx - m_old) * scale_log2 > LAZY_RESCALE_LOG2:
+                    corr[slot] = cute.math.exp2((m_old - mx) * scale_log2, fastmath=True)
+                    m_old = mx
+                mx = m_old
+                m_use = mx
+                if mx == -cutlass.Float32.inf:
+                    m_use = cutlass.Float32(0.0)
+            else:
+                m_use = mx
+                if mx == -cutlass.Float32.inf:
+                    m_use = cutlass.Float32(0.0)
+                corr[slot] = cute.math.exp2((row_max[slot] - m_use) * scale_log2, fastmath=True)
             m_scaled = m_use * scale_log2
             psum = cutlass.Float32(0.0)
             for e in cutlass.range_constexpr(n_s):

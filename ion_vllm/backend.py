@@ -77,6 +77,11 @@ PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
 #: 152.6 -> 142.1, skewed 180.0 -> 164.5, 128x2048 129.3 -> 132.3 (bench/notes.md, v6
 #: measured); 0 restores the group combine.
 ROW_COMBINE_ENV = "ION_ROW_COMBINE"
+#: ``ION_LAZY_RESCALE`` (default 0, an experiment): the attention kernels' lazy-rescaling
+#: variants (``IonAttentionSm90(lazy_rescale=True)``: a row's running max and O move only
+#: when a page raises the max past 2^8 in P; exact like the default).  Compile-verified and
+#: CPU-checked (tests/test_lazy_rescale_cpu.py), not yet run on a GPU.
+LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -149,6 +154,10 @@ def unpacked_prefill() -> bool:
 
 def row_combine() -> bool:
     return _switch(ROW_COMBINE_ENV, "row-parallel split-KV combine", default="1")
+
+
+def lazy_rescale() -> bool:
+    return _switch(LAZY_RESCALE_ENV, "lazy-rescaling attention kernels")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -239,6 +248,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.row_combine = row_combine()
         if not self.row_combine:
             logger.info_once("ION: group split-KV combine (%s=0)", ROW_COMBINE_ENV)
+        #: lazy-rescaling attention kernels (an experiment; off by default)
+        self.lazy_rescale = lazy_rescale()
+        if self.lazy_rescale:
+            logger.warning_once("ION: lazy-rescaling attention kernels (%s=1, an experiment "
+                                "whose GPU tests have not run yet)", LAZY_RESCALE_ENV)
         page = validation.kernel_block_size()
         if kv_cache_spec.block_size != page:
             raise ValueError(
@@ -295,7 +309,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
                        unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
                        row_combine=self.row_combine,
-                       experimental_pages=self.page_size != KERNEL_BLOCK_SIZE)
+                       experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
+                       lazy_rescale=self.lazy_rescale)
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
@@ -316,7 +331,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             partial_rows_capacity=self.partial_rows, num_ctas=num_ctas,
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
-            page_size=self.page_size)
+            page_size=self.page_size, lazy_rescale=self.lazy_rescale)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

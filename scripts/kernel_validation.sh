@@ -47,7 +47,7 @@ checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
      tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
      tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
-     tests/test_row_combine_gpu.py tests/test_page128_gpu.py"
+     tests/test_row_combine_gpu.py tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"
@@ -57,6 +57,9 @@ checks=(
      --unpacked-prefill --out $out/sweep-m128"
   "sweep-rowcomb python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --row-combine --force-split-every 2 --out $out/sweep-rowcomb"
+  "sweep-lazy python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --row-combine --lazy-rescale --force-split-every 2
+     --out $out/sweep-lazy"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -78,7 +81,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
     --out "$out/bench"
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
-    bench-anchors; do
+    sweep-lazy bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -87,7 +90,8 @@ import json, os, sys
 out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
-for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb"):
+for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
+             "sweep-lazy"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

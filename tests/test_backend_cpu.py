@@ -556,6 +556,26 @@ def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
         backend_mod.row_combine()
 
 
+def test_lazy_rescale_switch(cpu_platform, tmp_path, monkeypatch):
+    """ION_LAZY_RESCALE: off unless set to 1; with 1 every device plan of the builder runs
+    the lazy-rescaling kernels; any other value is refused."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = _gqa7_config(tmp_path)
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
+    monkeypatch.delenv(backend_mod.LAZY_RESCALE_ENV, raising=False)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.lazy_rescale and not b.plan.lazy_rescale
+    monkeypatch.setenv(backend_mod.LAZY_RESCALE_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.lazy_rescale and b.plan.lazy_rescale
+    assert b.plan128 is None or b.plan128.lazy_rescale
+    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.lazy_rescale
+    monkeypatch.setenv(backend_mod.LAZY_RESCALE_ENV, "yes")
+    with pytest.raises(ValueError, match="ION_LAZY_RESCALE"):
+        backend_mod.lazy_rescale()
+
+
 def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     """ION_EXPERIMENTAL_PAGE=128: vLLM picks 128-token blocks through the backend's kernel
     block size, the cache shape and the builder's plans use 128-token pages on one CTA per

@@ -209,6 +209,12 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     kr.PREPARE["ion-auto-gc"](mixed, 0, "cpu", {})
     assert [o["row_combine"] for o in seen] == [True, False]
     assert all(o["tile_m"] == 64 and o["unpacked_prefill"] for o in seen)
+    # ion-auto-lr: the same plan options on the lazy-rescaling kernels
+    seen.clear()
+    kr.PREPARE["ion-auto-lr"](prefill, 0, "cpu", {})
+    assert seen == [{"unpacked_prefill": True, "tile_m": 128, "row_combine": True,
+                     "lazy_rescale": True}]
+    assert "ion-auto-lr" in kr.BACKENDS
 
 
 def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):

@@ -76,6 +76,8 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+groupcomb": {"ION_ROW_COMBINE": "0"},
     # 128-token KV pages (kernel API experimental_pages): the e2e side of ion-auto-p128
     "ION+p128": {"ION_EXPERIMENTAL_PAGE": "128"},
+    # lazy-rescaling attention kernels: the e2e side of ion-auto-lr
+    "ION+lazy": {"ION_LAZY_RESCALE": "1"},
     "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
     "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
     "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},

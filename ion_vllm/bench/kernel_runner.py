@@ -28,7 +28,8 @@ import numpy as np
 
 from .kernel_suite import Case, flops, min_bytes, rotations
 
-BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-unpacked",
+BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
+            "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -339,10 +340,21 @@ def prepare_ion_auto_p128(case: Case, rot: int, device, shared: dict) -> Prepare
     return prepare_ion(c128, rot, device, shared, **auto_plan_options(c128))
 
 
+def prepare_ion_auto_lr(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` on the lazy-rescaling kernel variants (``lazy_rescale=True`` plans;
+    the backend's ``ION_LAZY_RESCALE=1``): a row keeps its running max, and O is not
+    rescaled, until a page raises the max past 2^8 in P.  An experiment aimed at the
+    prefill gap: it removes most per-page O rescales (64 multiplies a thread per 64-key
+    page) and the per-row correction exp2."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), lazy_rescale=True))
+
+
 # "ion-auto-rc" (the row-parallel combine, ION_ROW_COMBINE=1) is the default path since the
 # fourth session, i.e. "ion-auto"; the name stays for the recorded results that use it
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
+           "ion-auto-lr": prepare_ion_auto_lr,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
