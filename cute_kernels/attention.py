@@ -113,7 +113,8 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     inside a CTA.  Measured on the H200 with the producer order K_p, V_p, K_{p+1} (v8: the
     next K waited for the previous PV to free the V slot): mixed 166 us, prefill 818 us,
     against 155 and 804 for 64-token pages.  The producer now issues K_{p+1} before V_p on
-    one stage (v9, not yet measured; bench/notes.md)."""
+    one stage (v9, measured on 2026-12-01: mixed 158 us, prefill 806 us against 152 and
+    804 for 64-token pages; bench/notes.md)."""
     if _check_consumers(consumers) == 1 and page_size > PAGE_SIZE:
         return 1
     return 2
@@ -493,7 +494,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     last page past ``seq_len`` may receive garbage (docs/contract.md).
 
     ``experimental_pages=True`` admits the page sizes in ``variants.EXPERIMENTAL_PAGE_SIZES``
-    (128 tokens: 128-row K/V tiles), not yet validated on a GPU; not with key/value.
+    (128 tokens: 128-row K/V tiles; its GPU tests pass, but it is slower than 64-token
+    pages on the H200); not with key/value.
     """
     T, Hq, Hkv, D, P = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                     block_table, key, value)

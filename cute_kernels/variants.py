@@ -12,7 +12,8 @@ SUPPORTED_DTYPES = ("bfloat16", "float16")
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_GROUP_PADS = (1, 2, 4, 8)
 PAGE_SIZE = 64
-#: page sizes the kernel compiles for but that have not been validated on a GPU yet; only
+#: page sizes the kernel compiles and passes its GPU tests for, but that measured slower than
+#: 64-token pages on the H200 (an experiment, bench/notes.md v7-v9); only
 #: ``variant_for(..., experimental_pages=True)`` (``ion_attention(experimental_pages=True)``)
 #: accepts them.  128-token pages give 128-row K/V tiles (one TMA box per stage, QK^T as
 #: m64n128k16 wgmma): the kernel-level experiment behind bench backend ``ion-auto-p128``.
@@ -48,9 +49,9 @@ def variant_for(torch_dtype, head_dim: int, group_size: int, page_size: int = PA
     if page_size in EXPERIMENTAL_PAGE_SIZES:
         if not experimental_pages:
             raise ValueError(
-                f"IonAttention pages of {page_size} tokens are experimental (not yet "
-                f"validated on a GPU): pass experimental_pages=True, or use {PAGE_SIZE}-token "
-                f"pages")
+                f"IonAttention pages of {page_size} tokens are experimental (slower than "
+                f"{PAGE_SIZE}-token pages on the H200): pass experimental_pages=True, or use "
+                f"{PAGE_SIZE}-token pages")
     elif page_size != PAGE_SIZE:
         raise ValueError(f"IonAttention pages hold {PAGE_SIZE} tokens, got {page_size}")
     return Variant(name, head_dim, group_pad_for(group_size), page_size)

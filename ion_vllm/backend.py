@@ -262,8 +262,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             if self.fresh_kv:
                 raise ValueError(f"{FUSED_KV_ENV}=1 needs {KERNEL_BLOCK_SIZE}-token pages; unset "
                                  f"{validation.EXPERIMENTAL_PAGE_ENV} or {FUSED_KV_ENV}")
-            logger.warning_once("ION: %d-token KV pages (%s, an experiment whose GPU tests "
-                                "have not run yet)", page, validation.EXPERIMENTAL_PAGE_ENV)
+            logger.warning_once("ION: %d-token KV pages (%s, an experiment: its GPU tests "
+                                "pass, but it is slower than 64-token pages on the H200)",
+                                page, validation.EXPERIMENTAL_PAGE_ENV)
         model_config = vllm_config.model_config
         parallel_config = vllm_config.parallel_config
         scheduler_config = vllm_config.scheduler_config
