@@ -114,3 +114,32 @@ def test_kernel_compiles_for_sm90_on_the_cpu():
     ptx = k.asm["ptx"]
     assert ".target sm_90" in ptx
     assert re.search(r"ld\.global\.\S*b64", ptx) and re.search(r"st\.global\.\S*b64", ptx)
+
+
+def test_auto_falls_back_to_the_copier_on_a_layout_the_kernel_cannot_address(
+        monkeypatch, caplog):
+    """`auto` on CUDA with a KV layout PageGather refuses (alignment): the copier's gather,
+    logged; `kernel` asked explicitly: the refusal is raised."""
+    import logging
+
+    from ion_vllm.kv_tier import page_gather
+    from ion_vllm.kv_tier.testing import KVModel
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    kvm = KVModel("ion", 8, device="cpu", seed=0)
+    w = IonKVTierWorker(kvm.canonical, num_host_blocks=4,
+                        ring_bytes=2 * sum(c.page_size_bytes for c in kvm.canonical.tensors),
+                        pin_memory=False, log_interval_s=0)
+
+    class Refuses:
+        def __init__(self, *a, **k):
+            raise ValueError("PageGather: tensor 0 is not 16-byte aligned")
+
+    monkeypatch.setattr(page_gather, "PageGather", Refuses)
+    monkeypatch.setattr(page_gather, "available", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
+        fn = w._ring_gather_fn("auto", True)
+    assert fn == w.copier.gather and w.ring_gather_impl == "copier"
+    assert "copy engines" in caplog.text
+    with pytest.raises(ValueError, match="aligned"):
+        w._ring_gather_fn("kernel", True)

@@ -626,16 +626,24 @@ class IonKVTierWorker(OffloadingWorker):
         on the SMs, ``page_gather``), ``"copier"`` (the copier's own gather: one
         copy-engine descriptor per page with the batch copier) or ``"auto"`` (the kernel
         on CUDA with Triton, else the copier)."""
-        if choice == "auto":
+        auto = choice == "auto"
+        if auto:
             choice = "kernel" if is_cuda and page_gather.available() else "copier"
         if choice == "copier" or self.ring.num_slots == 0:
             self.ring_gather_impl = "copier"
             return self.copier.gather
         if not is_cuda:
             raise ValueError("Ion KV tier: ring_gather='kernel' needs a CUDA KV cache")
+        try:
+            gather = page_gather.PageGather(self.tensors, self.copier.group_refs,
+                                            self.copier.placement, self.ring.buffer)
+        except ValueError as e:  # a KV layout the kernel cannot address (alignment)
+            if not auto:
+                raise
+            logger.warning("Ion KV tier: GPU -> ring gather on the copy engines (%s)", e)
+            self.ring_gather_impl = "copier"
+            return self.copier.gather
         self.ring_gather_impl = "kernel"
-        gather = page_gather.PageGather(self.tensors, self.copier.group_refs,
-                                        self.copier.placement, self.ring.buffer)
         # compile now (Triton JIT), not inside the first forward step that stores
         for g in range(len(self.copier.group_refs)):
             gather(self.ring.buffer, 0, g, np.zeros(1, dtype=np.int64))
