@@ -295,6 +295,19 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     return lines
 
 
+def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float | None, int] | None:
+    """Mean and sample standard deviation of the per-repeat ratios a/b of ``key`` (repeat
+    i of ``a`` against repeat i of ``b``: they ran interleaved, so a pair shares the
+    machine's state), and the number of pairs; None without a pair."""
+    import statistics
+
+    rs = [x[key] / y[key] for x, y in zip(a.get("runs", []), b.get("runs", []))
+          if x.get(key) and y.get(key)]
+    if not rs:
+        return None
+    return statistics.fmean(rs), (statistics.stdev(rs) if len(rs) > 1 else None), len(rs)
+
+
 def bar_lines(by: dict) -> list[str]:
     """The issue's bars, judged from the configs present: Ion >= native in throughput and
     <= native in TTFT p50; both tiers beat recompute (no offload) in throughput."""
@@ -311,6 +324,12 @@ def bar_lines(by: dict) -> list[str]:
         check(f"ion TTFT p50 {ok['ion']['ttft_p50_ms']:.1f} ms <= native "
               f"{ok['native']['ttft_p50_ms']:.1f} ms",
               ok["ion"]["ttft_p50_ms"] <= ok["native"]["ttft_p50_ms"])
+        for key, what in (("total_tok_s", "total tok/s"), ("ttft_p50_ms", "TTFT p50")):
+            pr = paired_ratio(ok["ion"], ok["native"], key)
+            if pr is not None:
+                sd = "" if pr[1] is None else f" ± {pr[1]:.3f}"
+                out.append(f"- ion / native {what}, paired by repeat: {pr[0]:.3f}{sd} "
+                           f"({pr[2]} pairs)")
     for tier in ("ion", "native"):
         if tier in ok and "none" in ok:
             check(f"{tier} total tok/s {ok[tier]['total_tok_s']:.0f} > recompute "

@@ -74,3 +74,23 @@ def test_repeats_are_averaged_with_their_spread_and_listed(tmp_path):
     assert sum(1 for x in lines if x.startswith("| ion | ")) == 3  # mean row + 2 repeats
     assert any(x.startswith("| ion | 1 |") and x.endswith("| 0.000 / 0.750 |") for x in lines)
     assert bench.turn_fractions([0, 30, 9], [100, 40, 0]) == [0.0, 0.75, None]
+
+
+def test_paired_ratio_by_repeat():
+    """ion / native per repeat (repeats ran interleaved), mean ± sample sd, in the bars."""
+    def cfg(name, toks, ttfts):
+        runs = [{"total_tok_s": t, "ttft_p50_ms": f} for t, f in zip(toks, ttfts)]
+        return {"config": name, "runs": runs, "total_tok_s": sum(toks) / len(toks),
+                "ttft_p50_ms": sum(ttfts) / len(ttfts)}
+
+    ion, native = cfg("ion", [90.0, 110.0], [10.0, 30.0]), cfg("native", [100.0, 100.0],
+                                                               [20.0, 20.0])
+    m, sd, n = bench.paired_ratio(ion, native, "total_tok_s")
+    assert (round(m, 6), round(sd, 6), n) == (1.0, round(0.1 * 2 ** 0.5, 6), 2)
+    assert bench.paired_ratio(ion, {"runs": []}, "total_tok_s") is None
+    one = bench.paired_ratio(cfg("ion", [99.0], [1.0]), cfg("native", [100.0], [1.0]),
+                             "total_tok_s")
+    assert one[1] is None and one[2] == 1
+    lines = bench.bar_lines({"ion": ion, "native": native})
+    assert "- ion / native total tok/s, paired by repeat: 1.000 ± 0.141 (2 pairs)" in lines
+    assert "- ion / native TTFT p50, paired by repeat: 1.000 ± 0.707 (2 pairs)" in lines
