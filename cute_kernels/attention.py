@@ -128,19 +128,21 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
     ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results)."""
     from .attention_sm90 import IonAttentionSm90
 
-    lazy = {"lazy_rescale": True} if lazy_rescale else {}
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
-                                unpacked_prefill=unpacked, consumers=2, **lazy)
+                                unpacked_prefill=unpacked, consumers=2,
+                                lazy_rescale=lazy_rescale)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=ctas,
-                                unpacked_prefill=True, kv_stages=stages, **lazy)
+                                unpacked_prefill=True, kv_stages=stages,
+                                lazy_rescale=lazy_rescale)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
-                            variant.page_size, ctas_per_sm=ctas, kv_stages=stages, **lazy)
+                            variant.page_size, ctas_per_sm=ctas, kv_stages=stages,
+                            lazy_rescale=lazy_rescale)
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
@@ -151,15 +153,14 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
     ``lazy_rescale``: of the lazy-rescaling experiment."""
     from .attention_sm90 import IonAttentionSm90
 
-    lazy = {"lazy_rescale": True} if lazy_rescale else {}
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
-                                **lazy).fused
+                                lazy_rescale=lazy_rescale).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
-                            unpacked_prefill=unpacked, **lazy).fused
+                            unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
 
 
 def fused_fake_args(variant: Variant, unpacked: bool = False):
