@@ -298,14 +298,12 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
 def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float | None, int] | None:
     """Mean and sample standard deviation of the per-repeat ratios a/b of ``key`` (repeat
     i of ``a`` against repeat i of ``b``: they ran interleaved, so a pair shares the
-    machine's state), and the number of pairs; None without a pair."""
-    import statistics
+    machine's state), and the number of pairs; None without a pair (``e2e_ratio``, the
+    pairing the e2e reports use)."""
+    from ion_vllm.bench.report import e2e_ratio
 
-    rs = [x[key] / y[key] for x, y in zip(a.get("runs", []), b.get("runs", []))
-          if x.get(key) and y.get(key)]
-    if not rs:
-        return None
-    return statistics.fmean(rs), (statistics.stdev(rs) if len(rs) > 1 else None), len(rs)
+    r = e2e_ratio(a, b, key)
+    return None if r is None else (r["ratio_mean"], r["ratio_sd"], r["pairs"])
 
 
 def bar_lines(by: dict) -> list[str]:

@@ -167,8 +167,9 @@ def e2e_aggregate(runs: list[dict]) -> dict:
 
 
 def e2e_ratio(ion: dict, base: dict, key: str = "total_tok_s") -> dict | None:
-    """ION/baseline ratio of the means, with the spread of per-repeat ratios
-    (repeat i of ION paired with repeat i of the baseline: runs were interleaved)."""
+    """ION/baseline ratio of the means, with the per-repeat ratios' spread, mean and
+    sample standard deviation (None for one pair) (repeat i of ION paired with repeat i
+    of the baseline: runs were interleaved)."""
     a = [r.get(key) for r in ion.get("runs", [])]
     b = [r.get(key) for r in base.get("runs", [])]
     pairs = [(x, y) for x, y in zip(a, b) if x and y]
@@ -176,7 +177,8 @@ def e2e_ratio(ion: dict, base: dict, key: str = "total_tok_s") -> dict | None:
         return None
     rs = [x / y for x, y in pairs]
     return {"ratio": ion[key] / base[key], "ratio_min": min(rs), "ratio_max": max(rs),
-            "pairs": len(rs)}
+            "ratio_mean": statistics.fmean(rs),
+            "ratio_sd": statistics.stdev(rs) if len(rs) > 1 else None, "pairs": len(rs)}
 
 
 # --------------------------------------------------------------------------- table
