@@ -15,9 +15,8 @@
 #           comparison is meaningful
 #   kval    the kernel GPU tests + the row-combine and lazy-rescale 500-case sweeps
 #           (CPU-compile bound; the tests took 190 s before the 128-token-page file was
-#           added); it runs while the e2e
-#           servers start up (~160 s): steps.txt and e2e.log's time stamps show whether it
-#           ended before the first e2e bench run
+#           added); it runs while the e2e servers start up (~160 s): steps.txt and
+#           e2e.log's time stamps show whether it ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
@@ -25,7 +24,8 @@
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # KBENCH_BACKENDS, COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
-# E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL, TINY_MODEL.
+# E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL,
+# TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
