@@ -448,6 +448,11 @@ class IonAttentionSm90:
 
         item_begin = mOffsets[bidx]
         item_end = mOffsets[bidx + 1]
+        # programmatic dependent launch: a kernel queued after this one with PDL (the
+        # split-KV combine, ``CombineSm90(pdl=True)``) may be scheduled now and wait at its
+        # own griddepcontrol.wait for this grid to finish and flush, so its launch latency
+        # hides under this grid's tail.  No effect on a dependent launched without PDL.
+        cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer

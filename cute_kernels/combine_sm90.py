@@ -20,22 +20,30 @@ C_REQ, C_HEAD, C_TOK0, C_NTOK, C_NSPLIT, C_BASE = range(6)
 
 
 class CombineSm90:
-    def __init__(self, dtype, head_dim: int, group_pad: int):
+    def __init__(self, dtype, head_dim: int, group_pad: int, pdl: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.group_pad = group_pad
         self.threads = 128
+        #: programmatic dependent launch: the grid may start while the attention kernel
+        #: before it (which triggers early) still runs; every thread first waits at
+        #: griddepcontrol.wait, which returns once that grid has completed and its memory
+        #: is visible, so the partials are never read early.
+        self.pdl = bool(pdl)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
                  mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32,
                  num_ctas: cutlass.Int32, stream):
         self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, group_size).launch(
-            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[num_ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
                mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         D = self.head_dim
         Gp = self.group_pad
         tidx, _, _ = cute.arch.thread_idx()
@@ -95,6 +103,8 @@ class CombineRowsSm90(CombineSm90):
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
                mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         D = self.head_dim
         Gp = self.group_pad
         K = D // 32  # columns per lane: lane + 32 * j

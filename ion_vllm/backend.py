@@ -79,9 +79,16 @@ PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
 ROW_COMBINE_ENV = "ION_ROW_COMBINE"
 #: ``ION_LAZY_RESCALE`` (default 0, an experiment): the attention kernels' lazy-rescaling
 #: variants (``IonAttentionSm90(lazy_rescale=True)``: a row's running max and O move only
-#: when a page raises the max past 2^8 in P; exact like the default).  Compile-verified and
-#: CPU-checked (tests/test_lazy_rescale_cpu.py), not yet run on a GPU.
+#: when a page raises the max past 2^8 in P; exact like the default).  Correct on the H200
+#: (GPU tests, 500/500 sweep cases) but slower there on 2026-12-01: prefill 8192 799 ->
+#: 835 us, mixed 148 -> 156 us (bench/notes.md, v10 measured), so it stays off.
 LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
+#: ``ION_PDL_COMBINE`` (default 0 until measured on the H200): the split-KV combine is
+#: launched with programmatic dependent launch (``CombineSm90(pdl=True)``), so it is
+#: scheduled while the attention grid (which triggers at its start) still runs and waits on
+#: the GPU (``griddepcontrol.wait``) for that grid to finish: the launch latency between the
+#: two kernels hides under the attention's tail.
+PDL_COMBINE_ENV = "ION_PDL_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -158,6 +165,10 @@ def row_combine() -> bool:
 
 def lazy_rescale() -> bool:
     return _switch(LAZY_RESCALE_ENV, "lazy-rescaling attention kernels")
+
+
+def pdl_combine() -> bool:
+    return _switch(PDL_COMBINE_ENV, "split-KV combine by programmatic dependent launch")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -251,8 +262,13 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         #: lazy-rescaling attention kernels (an experiment; off by default)
         self.lazy_rescale = lazy_rescale()
         if self.lazy_rescale:
-            logger.warning_once("ION: lazy-rescaling attention kernels (%s=1, an experiment "
-                                "whose GPU tests have not run yet)", LAZY_RESCALE_ENV)
+            logger.warning_once("ION: lazy-rescaling attention kernels (%s=1, an experiment; "
+                                "slower than the default on the H200)", LAZY_RESCALE_ENV)
+        #: split-KV combine launched with programmatic dependent launch
+        self.pdl_combine = pdl_combine()
+        if self.pdl_combine:
+            logger.info_once("ION: split-KV combine by programmatic dependent launch (%s=1)",
+                             PDL_COMBINE_ENV)
         page = validation.kernel_block_size()
         if kv_cache_spec.block_size != page:
             raise ValueError(
@@ -311,7 +327,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
                        row_combine=self.row_combine,
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
-                       lazy_rescale=self.lazy_rescale)
+                       lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine)
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
@@ -332,7 +348,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             partial_rows_capacity=self.partial_rows, num_ctas=num_ctas,
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
-            page_size=self.page_size, lazy_rescale=self.lazy_rescale)
+            page_size=self.page_size, lazy_rescale=self.lazy_rescale,
+            pdl_combine=self.pdl_combine)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

@@ -263,7 +263,7 @@ FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_l
 
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
               unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
-              lazy_rescale: bool = False):
+              lazy_rescale: bool = False, pdl_combine: bool = False):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     from cute_kernels.attention import make_device_plan
@@ -274,7 +274,7 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
                             page_size=PAGE, head_dim=case.d, device=device,
                             fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m,
                             cost_model=cm, row_combine=row_combine,
-                            lazy_rescale=lazy_rescale)
+                            lazy_rescale=lazy_rescale, pdl_combine=pdl_combine)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -302,7 +302,7 @@ def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
 def run_case(case: SweepCase, device, tol: float, fault: str = "none",
              impl=None, path: str = "append", force_split: bool = False,
              unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
-             lazy_rescale: bool = False) -> Dict:
+             lazy_rescale: bool = False, pdl_combine: bool = False) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -333,7 +333,7 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         fused = path == "fused"
         plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
                          unpacked=unpacked, tile_m=tile_m, row_combine=row_combine,
-                         lazy_rescale=lazy_rescale)
+                         lazy_rescale=lazy_rescale, pdl_combine=pdl_combine)
         res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
@@ -354,6 +354,11 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
             kernel_bt = fault_block_table(bt, case.seq_lens, case.q_lens, used)
         scale = 1.0 / math.sqrt(case.d)
         out = torch.full_like(q, float("nan"))
+        if pdl_combine:
+            # the PDL combine may be scheduled before the attention grid ends: a partial read
+            # too early must show, not find plausible stale values in reused memory
+            plan.partial_o.fill_(float("nan"))
+            plan.partial_lse.fill_(float("nan"))
         _sync(device)
         t1 = time.perf_counter()
         if fused:
@@ -477,6 +482,9 @@ def parse_args(argv=None):
                     help="merge split-KV partials with the row-parallel combine kernel")
     ap.add_argument("--lazy-rescale", action="store_true",
                     help="the lazy-rescaling kernel variants (an experiment)")
+    ap.add_argument("--pdl-combine", action="store_true",
+                    help="launch the split-KV combine by programmatic dependent launch "
+                         "(the split-KV workspace is NaN-poisoned before each case)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
@@ -514,7 +522,8 @@ def main(argv=None) -> int:
                 args.force_split_every - 1)
             r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
                          unpacked=args.unpacked_prefill, tile_m=args.tile_m,
-                         row_combine=args.row_combine, lazy_rescale=args.lazy_rescale)
+                         row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
+                         pdl_combine=args.pdl_combine)
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -529,7 +538,7 @@ def main(argv=None) -> int:
     summary.update(cases_planned=len(cases), seed=args.seed, fault=args.fault, path=args.path,
                    unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
                    row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
-                   force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
+                   pdl_combine=args.pdl_combine, force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),
                    torch=torch.__version__)

@@ -4,8 +4,9 @@
 #      prefill tiles, two consumer warpgroups, kv_append, row combine, 128-token pages);
 #   2. the randomized sweep against the fp32 reference, --cases N per path (default 500),
 #      with every 4th case forcing split-KV: append (the default), fused writeback, unpacked,
-#      128-row tiles on two consumer warpgroups (with unpacked prefill), and the row-parallel
-#      split-KV combine (every 2nd case forced to split);
+#      128-row tiles on two consumer warpgroups (with unpacked prefill), the row-parallel
+#      split-KV combine (every 2nd case forced to split), the lazy-rescaling kernels, and the
+#      combine launched by programmatic dependent launch (workspace NaN-poisoned);
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
@@ -47,7 +48,8 @@ checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
      tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
      tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
-     tests/test_row_combine_gpu.py tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py"
+     tests/test_row_combine_gpu.py tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py
+     tests/test_pdl_combine_gpu.py"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"
@@ -60,6 +62,9 @@ checks=(
   "sweep-lazy python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --tile-m 128 --unpacked-prefill --row-combine --lazy-rescale --force-split-every 2
      --out $out/sweep-lazy"
+  "sweep-pdl python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --row-combine --pdl-combine --force-split-every 2
+     --out $out/sweep-pdl"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -81,7 +86,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
     --out "$out/bench"
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
-    sweep-lazy bench-anchors; do
+    sweep-lazy sweep-pdl bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -91,7 +96,7 @@ out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
-             "sweep-lazy"):
+             "sweep-lazy", "sweep-pdl"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -28,8 +28,13 @@ The first H200 run (2026-11-29) used 2k contexts, 128 generated tokens and
 --enforce-eager: its time went to eager decode steps, recompute was the fastest config
 (bench/results/2026-11-29-h200/kv-tier/bench-eager), and it measured the wrong thing.
 
-Reports TTFT p50/p99, output tok/s, total tok/s, host hit rate (tokens loaded
-from the host tier / tokens looked up beyond the GPU prefix cache), measured
+Reports TTFT p50/p99, output tok/s, total tok/s, the share of prompt tokens served
+from a cache (``cached_frac``: vLLM's per-request ``num_cached_tokens`` over prompt tokens,
+overall and per turn), the host hit rate of lookups (vLLM's
+external_prefix_cache_hits / _queries: counted per lookup, and the scheduler looks a
+waiting request up again on every step it cannot admit it, so repeated misses of
+requests waiting for HBM dilute it; the H200 run of 2026-12-01 measured 0.45 there
+against 0.656 of prompt tokens served from the tier), measured
 D2H and H2D GB/s (H2D: vLLM's kv_offload_load_{bytes,time}; D2H: the Ion worker's
 own ion_kv_tier_d2h_{bytes,seconds} when present, since an Ion store is reported
 finished once its sources are read, else vLLM's kv_offload_store_{bytes,time});
@@ -177,6 +182,7 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
                      or gbps("vllm:kv_offload_store_bytes", "vllm:kv_offload_store_time")),
         "h2d_gbps": gbps("vllm:kv_offload_load_bytes", "vllm:kv_offload_load_time"),
         "preemptions": d.get("vllm:num_preemptions", 0.0),
+        "cached_frac": sum(cached) / sum(prompted) if sum(prompted) else None,
         "cached_frac_by_turn": turn_fractions(cached, prompted),
         "tier_metrics": {k: v for k, v in d.items()
                          if ("kv_offload" in k or "ion_kv_tier" in k) and v},
@@ -190,7 +196,8 @@ def turn_fractions(cached: list[int], prompted: list[int]) -> list[float | None]
 
 #: fields of a config's result that are averaged over its repeats
 MEAN_FIELDS = ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "total_tok_s",
-               "gpu_prefix_hit_rate", "host_hit_rate", "d2h_gbps", "h2d_gbps", "preemptions")
+               "gpu_prefix_hit_rate", "cached_frac", "host_hit_rate", "d2h_gbps", "h2d_gbps",
+               "preemptions")
 
 
 def combine_repeats(name: str, runs: list[dict]) -> dict:
@@ -263,7 +270,8 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     cols = [("config", "config", 0), ("TTFT p50 ms", "ttft_p50_ms", 1),
             ("TTFT p99 ms", "ttft_p99_ms", 1), ("out tok/s", "output_tok_s", 0),
             ("total tok/s", "total_tok_s", 0), ("GPU prefix hit", "gpu_prefix_hit_rate", 3),
-            ("host hit", "host_hit_rate", 3), ("D2H GB/s", "d2h_gbps", 2),
+            ("prompt from cache", "cached_frac", 3),
+            ("host hit (lookups)", "host_hit_rate", 3), ("D2H GB/s", "d2h_gbps", 2),
             ("H2D GB/s", "h2d_gbps", 2), ("preemptions", "preemptions", 0)]
     lines = [f"# KV tier benchmark ({dt.date.today().isoformat()})", "",
              f"model `{args.model}`, backend {args.attention_backend}, HBM KV pool "
@@ -280,7 +288,7 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     multi = [r for r in results if r.get("repeats", 1) > 1]
     if multi:
         lines += ["", "Per repeat:", "",
-                  "| config | seed | TTFT p50 ms | total tok/s | host hit | preemptions "
+                  "| config | seed | TTFT p50 ms | total tok/s | host hit (lookups) | preemptions "
                   "| cached by turn |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {x['seed']} | {fmt(x['ttft_p50_ms'])} | "
                   f"{fmt(x['total_tok_s'], 0)} | {fmt(x['host_hit_rate'], 3)} | "
@@ -289,6 +297,10 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
                   for r in multi for x in r["runs"]]
         lines += ["", "cached by turn: prompt tokens served from a cache (GPU prefix cache or "
                   "tier) / prompt tokens, turn 1 / 2 / ..."]
+    lines += ["", "prompt from cache: prompt tokens served from the GPU prefix cache or the "
+              "tier / prompt tokens. host hit (lookups): vLLM's external prefix-cache hits / "
+              "queries, counted per lookup (a request waiting for HBM is looked up again "
+              "every step)."]
     lines += [""] + bar_lines({r["config"]: r for r in results})
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -576,6 +576,26 @@ def test_lazy_rescale_switch(cpu_platform, tmp_path, monkeypatch):
         backend_mod.lazy_rescale()
 
 
+def test_pdl_combine_switch(cpu_platform, tmp_path, monkeypatch):
+    """ION_PDL_COMBINE: off unless set to 1; with 1 every device plan of the builder
+    launches its combine by programmatic dependent launch; any other value is refused."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = _gqa7_config(tmp_path)
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
+    monkeypatch.delenv(backend_mod.PDL_COMBINE_ENV, raising=False)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.pdl_combine and not b.plan.pdl_combine
+    monkeypatch.setenv(backend_mod.PDL_COMBINE_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.pdl_combine and b.plan.pdl_combine
+    assert b.plan128 is None or b.plan128.pdl_combine
+    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.pdl_combine
+    monkeypatch.setenv(backend_mod.PDL_COMBINE_ENV, "2")
+    with pytest.raises(ValueError, match="ION_PDL_COMBINE"):
+        backend_mod.pdl_combine()
+
+
 def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     """ION_EXPERIMENTAL_PAGE=128: vLLM picks 128-token blocks through the backend's kernel
     block size, the cache shape and the builder's plans use 128-token pages on one CTA per

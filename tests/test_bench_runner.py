@@ -215,6 +215,12 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     assert seen == [{"unpacked_prefill": True, "tile_m": 128, "row_combine": True,
                      "lazy_rescale": True}]
     assert "ion-auto-lr" in kr.BACKENDS
+    # ion-auto-pdl: the same plan options, combine by programmatic dependent launch
+    seen.clear()
+    kr.PREPARE["ion-auto-pdl"](mixed, 0, "cpu", {})
+    assert seen == [{"unpacked_prefill": True, "tile_m": 64, "row_combine": True,
+                     "pdl_combine": True}]
+    assert "ion-auto-pdl" in kr.BACKENDS
 
 
 def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):

@@ -158,6 +158,9 @@ def test_attention_variant_compiles_for_sm90a(variant):
     # K and V tiles both arrive by TMA (one 2-D/4-D box each per 64-element chunk of D)
     assert art.count(r"cp\.async\.bulk\.tensor") >= 3
     assert not art.has("st.local"), "register spill to local memory"
+    # the trigger for a combine launched with PDL (ION_PDL_COMBINE): once, at the start
+    assert art.count(r"griddepcontrol\.launch_dependents;") == 1
+    assert art.ptx.find("griddepcontrol.launch_dependents") < art.ptx.find("wgmma.mma_async")
 
 
 # the combine kernel depends on (dtype, head_dim) only in its data path

@@ -59,18 +59,22 @@ def test_repeats_are_averaged_with_their_spread_and_listed(tmp_path):
                 "total_tok_s": tok_s, "prompt_tokens": 100, "output_tokens": 10,
                 "gpu_prefix_hit_rate": 0.0, "host_hit_rate": hit, "d2h_gbps": 50.0,
                 "h2d_gbps": None if seed == 1 else 52.0, "preemptions": float(seed),
-                "cached_frac_by_turn": [0.0, 0.5 + seed / 4],
+                "cached_frac": 0.6 + seed / 10, "cached_frac_by_turn": [0.0, 0.5 + seed / 4],
                 "tier_metrics": {"vllm:ion_kv_tier_spill_blocks": 10.0}}
 
     r = bench.combine_repeats("ion", [run(0, 100.0, 30.0, 0.4), run(1, 120.0, 10.0, 0.5)])
     assert r["repeats"] == 2 and r["total_tok_s"] == 110.0 and r["ttft_p50_ms"] == 20.0
     assert (r["total_tok_s_min"], r["total_tok_s_max"]) == (100.0, 120.0)
     assert r["host_hit_rate"] == 0.45 and r["h2d_gbps"] is None  # one repeat had none
+    assert abs(r["cached_frac"] - 0.65) < 1e-12
     assert r["prompt_tokens"] == 200 and r["tier_metrics"]["vllm:ion_kv_tier_spill_blocks"] == 20
     args = SimpleNamespace(model="m", attention_backend="ION", host_gib=1.0, conversations=2,
                            turns=1, context_len=8, user_len=1, max_tokens=1, wave=1)
     lines = bench.write_results(str(tmp_path), {}, [r], args, 1 << 20, 4 << 20)
     assert "Per repeat:" in lines
+    # the token-weighted cache share sits beside the lookup-weighted host hit rate
+    assert "| prompt from cache | host hit (lookups) |" in lines[4]
+    assert lines[6].startswith("| ion |") and "| 0.650 | 0.450 |" in lines[6]
     assert sum(1 for x in lines if x.startswith("| ion | ")) == 3  # mean row + 2 repeats
     assert any(x.startswith("| ion | 1 |") and x.endswith("| 0.000 / 0.750 |") for x in lines)
     assert bench.turn_fractions([0, 30, 9], [100, 40, 0]) == [0.0, 0.75, None]

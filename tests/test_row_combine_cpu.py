@@ -59,7 +59,7 @@ def test_device_plan_carries_the_choice(monkeypatch):
 
     launched = []
 
-    def fake_combine(variant, rows=False):
+    def fake_combine(variant, rows=False, pdl=False):
         launched.append(rows)
         return lambda *a: None
 

@@ -243,7 +243,12 @@ def _sass(cubin):
 
 
 def _ptx_sha(ptx):
-    lines = [ln for ln in ptx.splitlines() if not ln.lstrip().startswith("//")]
+    """PTX hash without comments and without the programmatic-dependent-launch trigger
+    (one ``griddepcontrol.launch_dependents`` added to every attention kernel on
+    2026-12-01; ``test_default_ptx_unchanged`` checks it is there exactly once), so the
+    pins below still prove everything else byte-identical."""
+    lines = [ln for ln in ptx.splitlines() if not ln.lstrip().startswith("//")
+             and "griddepcontrol.launch_dependents" not in ln]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
@@ -352,3 +357,4 @@ def test_default_ptx_unchanged(vi, kind, sha):
         art = compile_sm90a(attention.make_kernel(v, u), *attention.fake_args(v, u),
                             compile_options="--enable-tvm-ffi")
     assert _ptx_sha(art.ptx) == sha
+    assert art.ptx.count("griddepcontrol.launch_dependents;") == 1
