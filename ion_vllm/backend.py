@@ -66,8 +66,9 @@ UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
 #: prefill MMAs with little decode streaming (``cute_kernels.planner.choose_tile_m``) runs
 #: 128-row q tiles on two consumer warpgroups (prefill 8192: 880 -> 814 us); every other
 #: step, and every uniform-decode step that CUDA graphs capture, runs 64-row tiles.  Only
-#: with unpacked prefill tiles, and not under fused writeback, batch invariance or a FULL
-#: CUDA-graph mode for mixed batches (where the captured variant could differ at replay).
+#: with unpacked prefill tiles, and not under batch invariance or a FULL CUDA-graph mode
+#: for mixed batches (where the captured variant could differ at replay).  Fused KV
+#: writeback keeps it (its 128-row kernels write the fresh K/V too; since 2026-12-01).
 PREFILL_TILE_M_ENV = "ION_PREFILL_TILE_M"
 #: ``ION_ROW_COMBINE`` (default 1): split-KV partials are merged by the row-parallel combine
 #: kernel (``cute_kernels.combine_sm90.CombineRowsSm90``, one row per warp) instead of the
@@ -250,7 +251,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if not self.unpacked:
             logger.info_once("ION: packed prefill tiles only (%s=0)", UNPACKED_PREFILL_ENV)
         #: 128-row q tiles for prefill-dominated steps (planner.choose_tile_m)
-        self.tile_m_auto = (prefill_tile_m_auto() and self.unpacked and not self.fresh_kv
+        # (under fused writeback too: the consumers=2 kernels have a fresh_kv form, GPU-tested
+        # in tests/test_two_consumers_gpu.py::test_tile_m_128_fused_writeback)
+        self.tile_m_auto = (prefill_tile_m_auto() and self.unpacked
                             and not batch_invariant_mode()
                             and not mixed_batches_run_full_graphs(vllm_config))
         logger.info_once("ION: q tiles of %s rows", "64 or 128 (per step)" if self.tile_m_auto

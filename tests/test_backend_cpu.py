@@ -366,6 +366,26 @@ def test_fused_kv_writeback_is_off_under_batch_invariance(make_config, monkeypat
     assert not b.fresh_kv and not b.allow_split
 
 
+def test_fused_kv_writeback_keeps_128_row_prefill_tiles(cpu_platform, tmp_path, monkeypatch):
+    """ION_FUSED_KV_WRITEBACK=1 with the default tile policy: a prefill-only step is planned
+    with 128-row tiles and KV units (fresh_kv), a decode step with 64-row tiles, both for
+    the fused call."""
+    import ion_vllm.backend as backend_mod
+
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.PREFILL_TILE_M_ENV, raising=False)
+    cfg = _gqa7_config(tmp_path, "--max-num-batched-tokens", "2048", "--max-num-seqs", "8")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.fresh_kv and b.tile_m_auto and b.plan128 is not None
+    bt = torch.arange(4 * 32, dtype=torch.int32).reshape(4, 32)
+    md = b.build(0, common_metadata([2048], [2048], bt[:1]))
+    assert md.plan is b.plan128 and md.plan.tile_m == 128 and md.plan.fresh_kv
+    assert md.plan.host.fresh_kv and md.plan.num_items > 0
+    md = b.build(0, common_metadata([1, 1], [700, 9], bt[:2]))
+    assert md.plan is b.plan and md.plan.tile_m == 64 and md.plan.fresh_kv
+
+
 def test_fault_injection_breaks_attention_of_request_0(make_config, monkeypatch):
     out, ref, q_lens = run_impl_case(make_config, monkeypatch, fault=True)
     err = (out - ref).abs().amax(dim=(1, 2))

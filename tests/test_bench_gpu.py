@@ -28,6 +28,9 @@ def test_kernel_bench_ion_vs_fa3(tmp_path):
     assert fa3["p10_us"] <= fa3["median_us"] <= fa3["p90_us"]
     assert 0.05 < fa3["frac_copy_bw"] < 1.2
     assert fa3["rotations"] >= 2
+    # every timed call is kept, in order, and the summary statistics come from them
+    assert len(fa3["iter_us"]) == fa3["iters"] == 8
+    assert min(fa3["iter_us"]) == pytest.approx(fa3["min_us"], abs=0.01)
     for name in ("ion", "triton"):
         r = recs[name]
         assert r["status"] in ("ok", "skipped", "error")

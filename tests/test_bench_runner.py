@@ -247,3 +247,46 @@ def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):
     got.clear()
     kr.PREPARE["ion-auto"](prefill, 0, "cpu", {}).call()
     assert got == {"plan": "plan", "experimental_pages": False}
+
+
+def test_new_token_rows_are_the_cache_rows_at_their_slots():
+    """`ion-auto-append` / `ion-auto-fused` write the step's new K/V: each request's last
+    q_len logical tokens, to the slots where `ion_cache` put those tokens (so rewriting them
+    leaves the cache as it was)."""
+    from ion_vllm.bench.kernel_suite import Case
+
+    case = Case("t", q_lens=(1, 70, 2, 3), kv_lens=(130, 70, 5, 64), hq=4, hkv=2, d=64)
+    q, k, v, bt = kr.ion_cache(case, 1, "cpu")
+    key, value, slots = kr.new_token_rows(case, 1, "cpu")
+    assert key.shape == (sum(case.q_lens), 2, 64) == value.shape and slots.dtype == torch.int64
+    P = case.ion_page
+    page, off = slots // P, slots % P
+    assert torch.equal(k[page, :, off], key) and torch.equal(v[page, :, off], value)
+    # request-major, last q_len tokens of each request: slots of request 0 are its token 129
+    assert int(slots[0]) == int(bt[0, 129 // P]) * P + 129 % P
+    assert not torch.equal(key[0], key[1])  # fresh values, never zeros
+
+
+def test_append_and_fused_backends(monkeypatch):
+    """`ion-auto-append` times kv_append of the new rows before the default attention;
+    `ion-auto-fused` plans fresh_kv with ion-auto's options and passes key / value."""
+    import cute_kernels
+
+    from ion_vllm.bench.kernel_suite import Case
+
+    plans, calls = [], []
+    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **o: plans.append(o) or "plan")
+    monkeypatch.setattr(cute_kernels, "kv_append",
+                        lambda *a: calls.append(("append", a[4].tolist())))
+    monkeypatch.setattr(cute_kernels, "ion_attention",
+                        lambda *a, **kw: calls.append(("attn", sorted(kw))))
+    case = Case("m", q_lens=(1, 1, 200), kv_lens=(300, 64, 260), hq=4, hkv=2, d=64)
+    kr.PREPARE["ion-auto-append"](case, 0, "cpu", {}).call()
+    _, _, slots = kr.new_token_rows(case, 0, "cpu")
+    assert calls[0] == ("append", slots.tolist()) and calls[1][0] == "attn"
+    assert "key" not in calls[1][1]
+    calls.clear()
+    kr.PREPARE["ion-auto-fused"](case, 0, "cpu", {}).call()
+    assert calls == [("attn", ["key", "plan", "value"])]
+    assert plans[-1] == dict(kr.auto_plan_options(case), fresh_kv=True)
+    assert "fresh_kv" not in plans[0]

@@ -29,7 +29,7 @@ import numpy as np
 from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
-            "ion-auto-pdl", "ion-unpacked",
+            "ion-auto-pdl", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -94,6 +94,8 @@ class Prepared:
     """One rotation of one backend: ``call()`` runs the attention, writing ``out``."""
     call: Callable[[], object]
     out: object
+    #: ION's (k_cache, v_cache) views, for variants that also write the cache
+    kv_cache: object = None
 
 
 def _common_meta(case: Case, device):
@@ -188,7 +190,7 @@ def prepare_ion(case: Case, rot: int, device, shared: dict, **plan_options) -> P
     def call():
         return attn(q, k, v, out, qsl, seq_lens, bt, scale, plan=plan, experimental_pages=exp)
 
-    return Prepared(call, out)
+    return Prepared(call, out, kv_cache=(k, v))
 
 
 def _flash_attn_func():
@@ -360,11 +362,74 @@ def prepare_ion_auto_pdl(case: Case, rot: int, device, shared: dict) -> Prepared
                        **dict(auto_plan_options(case), pdl_combine=True))
 
 
+def new_token_rows(case: Case, rot: int, device):
+    """This step's new K/V rows ``[total_q, Hkv, D]`` (each request's last ``q_len`` logical
+    tokens, request-major like q) and their ION cache slots (``page * P + offset``, int64):
+    what vLLM hands the backend as key / value / slot_mapping.  The cache ``ion_cache``
+    builds already holds these tokens, so writing them again changes nothing and every
+    variant's output stays comparable."""
+    import torch
+    P = case.ion_page
+    _, k_log, v_log = logical_qkv(case, rot, device)
+    _, tok_page, tok_off, _ = page_assignment(case, P, rot)
+    idx, t0 = [], 0
+    for q, kv in zip(case.q_lens, case.kv_lens):
+        idx.extend(range(t0 + kv - q, t0 + kv))
+        t0 += kv
+    sel = np.asarray(idx, dtype=np.int64)
+    slots = torch.from_numpy(tok_page[sel] * P + tok_off[sel]).to(device)
+    i = torch.from_numpy(sel).to(device)
+    return k_log[i].contiguous(), v_log[i].contiguous(), slots
+
+
+def prepare_ion_auto_append(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` as one vLLM layer runs it by default: ``kv_append`` of the step's new
+    K/V rows, then the attention (both launches timed).  Compare with ``ion-auto-fused``;
+    FA3's timing holds no cache write."""
+    import cute_kernels
+
+    prep = prepare_ion(case, rot, device, shared, **auto_plan_options(case))
+    key, value, slots = new_token_rows(case, rot, device)
+    k_cache, v_cache = prep.kv_cache
+
+    def call():
+        cute_kernels.kv_append(key, value, k_cache, v_cache, slots)
+        return prep.call()
+
+    return Prepared(call, prep.out)
+
+
+def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """Fused KV writeback (the backend's ``ION_FUSED_KV_WRITEBACK=1``): one launch reads the
+    step's new K/V from key / value, writes them into the cache and attends (a
+    ``fresh_kv`` plan with ``ion-auto``'s options, 128-row tiles included)."""
+    import torch
+    try:
+        import cute_kernels
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"cute_kernels import failed: {e!r}") from e
+    if "ion_plan" not in shared:
+        shared["ion_plan"] = _ion_plan(case, device, fresh_kv=True, **auto_plan_options(case))
+    plan = shared["ion_plan"]
+    q, k, v, bt = ion_cache(case, rot, device)
+    qsl, seq_lens = _common_meta(case, device)
+    key, value, _ = new_token_rows(case, rot, device)
+    out = torch.empty_like(q)
+    scale = case.d ** -0.5
+
+    def call():
+        return cute_kernels.ion_attention(q, k, v, out, qsl, seq_lens, bt, scale, plan=plan,
+                                          key=key, value=value)
+
+    return Prepared(call, out)
+
+
 # "ion-auto-rc" (the row-parallel combine, ION_ROW_COMBINE=1) is the default path since the
 # fourth session, i.e. "ion-auto"; the name stays for the recorded results that use it
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
+           "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
@@ -520,6 +585,11 @@ def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: in
         "iters": len(ts),
         "rotations": n_rot,
         "timing": timing,
+        # every timed call in order (call i ran rotation i % rotations): shows whether a
+        # wide p10-p90 spread comes from some rotations' data / page layout or from
+        # moments of the run (the H200 measured ION's prefill at p10 788 / p90 939 us in
+        # runs where FA3 stayed within 773-779)
+        "iter_us": [round(t, 2) for t in ts],
     }
     return res, first_out
 
