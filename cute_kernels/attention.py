@@ -183,13 +183,16 @@ def fused_fake_args(variant: Variant, unpacked: bool = False):
     return (args[0], new_kv(), new_kv()) + tuple(args[1:])
 
 
-def make_combine_kernel(variant: Variant, rows: bool = False, pdl: bool = False):
-    """The split-KV combine kernel; ``rows=True``: the row-parallel ``CombineRowsSm90``
-    (same arguments); ``pdl=True``: launched with programmatic dependent launch, waiting on
-    the GPU for the attention grid before it (same arguments, same result)."""
-    from .combine_sm90 import CombineRowsSm90, CombineSm90
+def make_combine_kernel(variant: Variant, rows=False, pdl: bool = False):
+    """The split-KV combine kernel; ``rows=True``: the row-parallel ``CombineRowsSm90``,
+    ``rows="lanes"``: the split-parallel ``CombineLanesSm90`` (same arguments);
+    ``pdl=True``: launched with programmatic dependent launch, waiting on the GPU for the
+    attention grid before it (same arguments, same result)."""
+    from .combine_sm90 import CombineLanesSm90, CombineRowsSm90, CombineSm90
 
-    cls = CombineRowsSm90 if rows else CombineSm90
+    if rows not in (False, True, "lanes"):
+        raise ValueError(f"combine kind {rows!r}: use False, True or 'lanes'")
+    cls = CombineLanesSm90 if rows == "lanes" else CombineRowsSm90 if rows else CombineSm90
     return cls(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad, pdl=pdl)
 
 
@@ -236,7 +239,7 @@ def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_combine(variant: Variant, rows: bool = False, pdl: bool = False):
+def _compiled_combine(variant: Variant, rows=False, pdl: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
@@ -277,7 +280,7 @@ class DevicePlan:
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
-                 pdl_combine: bool = False):
+                 pdl_combine: bool = False, lane_combine: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -299,6 +302,10 @@ class DevicePlan:
         #: launch the combine with programmatic dependent launch (``CombineSm90(pdl=True)``):
         #: it is scheduled while the attention grid still runs and waits for it on the GPU
         self.pdl_combine = bool(pdl_combine)
+        #: merge split-KV partials with the split-parallel combine (CombineLanesSm90: lane s
+        #: loads split s, all of a row's loads in flight at once); takes precedence over
+        #: row_combine
+        self.lane_combine = bool(lane_combine)
         #: 8 columns for packed-only plans (the default kernels), 9 with unpacked_prefill
         self.work_cols = _work_cols(unpacked)
         self.work = torch.zeros((self.item_capacity, self.work_cols), dtype=torch.int32,
@@ -377,7 +384,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      fresh_kv: bool = False, unpacked_prefill: bool = False,
                      tile_m: int = 64, cost_model=None,
                      row_combine: bool = False, lazy_rescale: bool = False,
-                     pdl_combine: bool = False) -> DevicePlan:
+                     pdl_combine: bool = False, lane_combine: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -393,7 +400,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``row_combine=True``: split-KV partials are merged by the row-parallel combine kernel.
     ``lazy_rescale=True``: the attention kernels' lazy-rescaling variants run the plan
     (``IonAttentionSm90(lazy_rescale=True)``: an experiment, exact like the default).
-    ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch."""
+    ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch.
+    ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -412,7 +420,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
-                    lazy_rescale=lazy_rescale, pdl_combine=pdl_combine)
+                    lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
+                    lane_combine=lane_combine)
     return dp.upload(p)
 
 
@@ -484,6 +493,14 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     return T, Hq, Hkv, D, P
 
 
+def combine_kind(plan):
+    """The combine kernel a plan selects (``make_combine_kernel``'s ``rows``): "lanes" for
+    ``lane_combine``, else ``row_combine`` (True: rows, False: the group combine)."""
+    if getattr(plan, "lane_combine", False):
+        return "lanes"
+    return bool(getattr(plan, "row_combine", False))
+
+
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
                   query_start_loc_cpu=None, seq_lens_cpu=None, key=None, value=None,
@@ -544,7 +561,7 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
     if plan.always_combine or plan.num_groups > 0:
-        _compiled_combine(variant, bool(getattr(plan, "row_combine", False)),
+        _compiled_combine(variant, combine_kind(plan),
                           bool(getattr(plan, "pdl_combine", False)))(
             out, query_start_loc, plan.combine, plan.partial_o, plan.partial_lse, G,
             plan.num_ctas)
@@ -555,7 +572,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
                experimental_pages: bool = False, lazy_rescale: bool = False,
-               pdl_combine: bool = False) -> None:
+               pdl_combine: bool = False, lane_combine: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -564,6 +581,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     row-parallel combine kernel instead of the default one.  ``lazy_rescale``: the
     attention kernels' lazy-rescaling variants (plans with ``lazy_rescale=True``).
     ``pdl_combine``: the combine kernel launched with PDL (plans with ``pdl_combine=True``).
+    ``lane_combine``: the split-parallel combine kernel (plans with ``lane_combine=True``).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -579,5 +597,5 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
             _compiled(variant, True, c, lz)
             if fused:
                 _compiled_fused(variant, True, c, lz)
-    _compiled_combine(variant, row_combine, pdl_combine)
+    _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -90,6 +90,11 @@ LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
 #: the GPU (``griddepcontrol.wait``) for that grid to finish: the launch latency between the
 #: two kernels hides under the attention's tail.
 PDL_COMBINE_ENV = "ION_PDL_COMBINE"
+#: ``ION_LANE_COMBINE`` (default 0, an experiment not yet run on a GPU): split-KV partials
+#: are merged by the split-parallel combine (``CombineLanesSm90``: lane s of a row's warp
+#: loads split s, and every load of the row is in flight at once), which takes precedence
+#: over ``ION_ROW_COMBINE``.
+LANE_COMBINE_ENV = "ION_LANE_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -170,6 +175,10 @@ def lazy_rescale() -> bool:
 
 def pdl_combine() -> bool:
     return _switch(PDL_COMBINE_ENV, "split-KV combine by programmatic dependent launch")
+
+
+def lane_combine() -> bool:
+    return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -267,6 +276,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.lazy_rescale:
             logger.warning_once("ION: lazy-rescaling attention kernels (%s=1, an experiment; "
                                 "slower than the default on the H200)", LAZY_RESCALE_ENV)
+        #: split-parallel combine kernel (an experiment; off by default)
+        self.lane_combine = lane_combine()
+        if self.lane_combine:
+            logger.warning_once("ION: split-parallel split-KV combine (%s=1, an experiment "
+                                "whose GPU tests have not run yet)", LANE_COMBINE_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -330,7 +344,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
                        row_combine=self.row_combine,
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
-                       lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine)
+                       lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
+                       lane_combine=self.lane_combine)
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
@@ -352,7 +367,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
             page_size=self.page_size, lazy_rescale=self.lazy_rescale,
-            pdl_combine=self.pdl_combine)
+            pdl_combine=self.pdl_combine, lane_combine=self.lane_combine)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

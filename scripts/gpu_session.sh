@@ -3,8 +3,9 @@
 # outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
-#           ion-auto-append / ion-auto-fused (kv_append + attention against fused KV
-#           writeback, one launch), fa3
+#           ion-auto-lc (split-parallel combine), ion-auto-pdl (combine by programmatic
+#           dependent launch), ion-auto-append / ion-auto-fused (kv_append + attention
+#           against fused KV writeback, one launch), fa3
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
@@ -14,7 +15,7 @@
 #           /tmp/tiny): reference, tier (with block verification) and control run side by
 #           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
 #           comparison is meaningful
-#   kval    the kernel GPU tests + the PDL-combine and fused-128-row 500-case sweeps
+#   kval    the kernel GPU tests + the fused-128-row and lane-combine 500-case sweeps
 #           (CPU-compile bound; the tests took 190 s before the 128-token-page file was
 #           added); it runs while the e2e servers start up (~160 s): steps.txt and
 #           e2e.log's time stamps show whether it ended before the first e2e bench run
@@ -51,7 +52,7 @@ step() {  # step NAME SECONDS CMD...
 
 if want kbench; then
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-ion-auto-append,ion-auto-fused,ion-auto,fa3}" --out "$out/kbench"
+    --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-lc,ion-auto-pdl,ion-auto-append,ion-auto-fused,fa3}" --out "$out/kbench"
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
@@ -70,7 +71,7 @@ if want preempt; then
 fi
 kval_pid=
 if want kval; then
-  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="pytest-gpu sweep-pdl sweep-fused128" \
+  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="pytest-gpu sweep-fused128 sweep-lanes" \
     step kval 450 scripts/kernel_validation.sh "$out/kval" 500 &
   kval_pid=$!
 fi

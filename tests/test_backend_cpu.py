@@ -616,6 +616,28 @@ def test_pdl_combine_switch(cpu_platform, tmp_path, monkeypatch):
         backend_mod.pdl_combine()
 
 
+def test_lane_combine_switch(cpu_platform, tmp_path, monkeypatch):
+    """ION_LANE_COMBINE: off unless set to 1; with 1 every device plan of the builder
+    merges splits with the split-parallel combine; any other value is refused."""
+    import ion_vllm.backend as backend_mod
+    from cute_kernels.attention import combine_kind
+
+    cfg = _gqa7_config(tmp_path)
+    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
+    monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.lane_combine and combine_kind(b.plan) is True
+    monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.lane_combine and b.plan.lane_combine and combine_kind(b.plan) == "lanes"
+    assert b.plan128 is None or b.plan128.lane_combine
+    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.lane_combine
+    monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "on")
+    with pytest.raises(ValueError, match="ION_LANE_COMBINE"):
+        backend_mod.lane_combine()
+
+
 def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     """ION_EXPERIMENTAL_PAGE=128: vLLM picks 128-token blocks through the backend's kernel
     block size, the cache shape and the builder's plans use 128-token pages on one CTA per

@@ -221,6 +221,12 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     assert seen == [{"unpacked_prefill": True, "tile_m": 64, "row_combine": True,
                      "pdl_combine": True}]
     assert "ion-auto-pdl" in kr.BACKENDS
+    # ion-auto-lc: the same plan options, split-parallel combine
+    seen.clear()
+    kr.PREPARE["ion-auto-lc"](mixed, 0, "cpu", {})
+    assert seen == [{"unpacked_prefill": True, "tile_m": 64, "row_combine": True,
+                     "lane_combine": True}]
+    assert "ion-auto-lc" in kr.BACKENDS
 
 
 def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):

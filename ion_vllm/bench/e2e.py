@@ -80,6 +80,8 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+lazy": {"ION_LAZY_RESCALE": "1"},
     # split-KV combine by programmatic dependent launch: the e2e side of ion-auto-pdl
     "ION+pdl": {"ION_PDL_COMBINE": "1"},
+    # the split-parallel combine: the e2e side of ion-auto-lc
+    "ION+lanes": {"ION_LANE_COMBINE": "1"},
     "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
     "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
     "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},

@@ -29,7 +29,7 @@ import numpy as np
 from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
-            "ion-auto-pdl", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
+            "ion-auto-pdl", "ion-auto-lc", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -362,6 +362,15 @@ def prepare_ion_auto_pdl(case: Case, rot: int, device, shared: dict) -> Prepared
                        **dict(auto_plan_options(case), pdl_combine=True))
 
 
+def prepare_ion_auto_lc(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with the split-parallel combine (``lane_combine=True`` plans; the
+    backend's ``ION_LANE_COMBINE=1``): lane s of a row's warp loads split s, and all of a
+    row's loads are in flight at once, instead of the row combine's chain of unrolled-x4
+    loops.  Cases without splits launch no combine and run exactly ``ion-auto``."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), lane_combine=True))
+
+
 def new_token_rows(case: Case, rot: int, device):
     """This step's new K/V rows ``[total_q, Hkv, D]`` (each request's last ``q_len`` logical
     tokens, request-major like q) and their ION cache slots (``page * P + offset``, int64):
@@ -429,6 +438,7 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepar
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
+           "ion-auto-lc": prepare_ion_auto_lc,
            "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
