@@ -26,8 +26,8 @@
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # KBENCH_BACKENDS, COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
-# E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, SHARE_S, MODEL,
-# TINY_MODEL.
+# E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
+# kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
@@ -51,8 +51,9 @@ step() {  # step NAME SECONDS CMD...
 }
 
 if want kbench; then
+  kb_default=ion-auto,ion-auto-lc,ion-auto-pdl,ion-auto-append,ion-auto-fused,fa3
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-ion-auto,ion-auto-lc,ion-auto-pdl,ion-auto-append,ion-auto-fused,fa3}" --out "$out/kbench"
+    --backends "${KBENCH_BACKENDS:-$kb_default}" --out "$out/kbench"
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
@@ -85,7 +86,7 @@ fi
 if want kvtier; then
   step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
     --repeats "${KVTIER_REPEATS:-3}" \
-    --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" --out "$out/kvtier"
+    --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" ${KVTIER_ARGS:-} --out "$out/kvtier"
 fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \

@@ -98,3 +98,22 @@ def test_paired_ratio_by_repeat():
     lines = bench.bar_lines({"ion": ion, "native": native})
     assert "- ion / native total tok/s, paired by repeat: 1.000 ± 0.141 (2 pairs)" in lines
     assert "- ion / native TTFT p50, paired by repeat: 1.000 ± 0.707 (2 pairs)" in lines
+
+
+def test_native_default_config_and_bars():
+    """`native-default` is vLLM's CPU offloading with its defaults (prompt blocks only);
+    `native` stores decode blocks too. Ion is judged against both when both ran."""
+    from ion_vllm.bench.offload_configs import offload_transfer_config
+
+    assert "native-default" in bench.CONFIGS
+    d = offload_transfer_config("native-default", 1 << 30)
+    n = offload_transfer_config("native", 1 << 30)
+    assert d["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 30}
+    assert n["kv_connector_extra_config"]["offload_prompt_only"] is False
+    by = {"ion": _r("ion", 120.0, 10.0), "native": _r("native", 125.0, 9.0),
+          "native-default": _r("native-default", 110.0, 12.0), "none": _r("none", 50.0, 90.0)}
+    lines = bench.bar_lines(by)
+    assert any(x.startswith("- ion total tok/s 120 >= native 125: FAIL") for x in lines)
+    assert any(x.startswith("- ion total tok/s 120 >= native-default 110: PASS") for x in lines)
+    assert any(x.startswith("- native-default total tok/s 110 > recompute 50: PASS")
+               for x in lines)
