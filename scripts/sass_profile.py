@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Instruction-order summary of an IonAttention kernel's SASS, compiled on the CPU.
+
+Compiles one attention kernel variant for sm_90a (no GPU needed), disassembles its cubin
+with ``nvdisasm`` and prints the order of the instructions that shape the main loop:
+HGMMA (wgmma), WARPGROUP.ARRIVE / DEPBAR (wgmma fences and waits), MUFU.EX2 (softmax exp2),
+FMNMX / SHFL (row max reductions), SYNCS (mbarrier ops), BAR and BRA, as runs
+(``MUFU.EX2x25`` = 25 in a row, other instructions skipped). Comparing two variants shows
+where a change moved the softmax relative to the MMAs, e.g. the lazy-rescaling kernels
+(bench/notes.md, eighth session):
+
+    python scripts/sass_profile.py --variant 7 --unpacked --consumers 2
+    python scripts/sass_profile.py --variant 7 --unpacked --consumers 2 --lazy-rescale
+
+Needs ``nvdisasm`` on PATH (the nvidia-cuda-nvdisasm wheel vLLM installs ships one under
+``site-packages/nvidia/cu13/bin``; this script adds that directory when present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TAGS = ("HGMMA", "MUFU.EX2", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BRA", "SYNCS", "BAR.",
+        "FMNMX", "SHFL")
+
+
+def find_nvdisasm() -> str | None:
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            cand = os.path.join(base, "cu13", "bin", "nvdisasm")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    return None
+
+
+def runs(sass: str) -> tuple[str, dict[str, int]]:
+    """Run-length string of the tagged instructions, and each tag's total count."""
+    seq, totals = [], {t: 0 for t in TAGS}
+    for line in sass.splitlines():
+        if not re.search(r"/\*[0-9a-f]{4,6}\*/", line):
+            continue
+        for tag in TAGS:
+            if tag in line:
+                seq.append(tag)
+                totals[tag] += 1
+                break
+    out, prev, n = [], None, 0
+    for t in seq:
+        if t == prev:
+            n += 1
+            continue
+        if prev:
+            out.append(f"{prev}x{n}")
+        prev, n = t, 1
+    if prev:
+        out.append(f"{prev}x{n}")
+    return " ".join(out), totals
+
+
+def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool) -> str:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass.cute as cute
+
+    from cute_kernels import attention
+    from cute_kernels.variants import ALL_VARIANTS
+
+    v = ALL_VARIANTS[variant_index]
+    d = tempfile.mkdtemp(prefix="ion_sass_")
+    cute.compile(attention.make_kernel(v, unpacked, consumers, lazy),
+                 *attention.fake_args(v, unpacked),
+                 options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-cubin --dump-dir {d}")
+    cubins = glob.glob(os.path.join(d, "**", "*.cubin"), recursive=True)
+    if not cubins:
+        raise RuntimeError(f"no cubin written under {d}")
+    return cubins[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", type=int, default=7, help="index into variants.ALL_VARIANTS")
+    ap.add_argument("--unpacked", action="store_true")
+    ap.add_argument("--consumers", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--lazy-rescale", action="store_true")
+    args = ap.parse_args(argv)
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        print("sass_profile: nvdisasm not found", file=sys.stderr)
+        return 2
+    cubin = compile_cubin(args.variant, args.unpacked, args.consumers, args.lazy_rescale)
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    order, totals = runs(sass)
+    print("totals:", " ".join(f"{k}={v}" for k, v in totals.items()))
+    print("order:", order)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

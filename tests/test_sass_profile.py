@@ -1,0 +1,37 @@
+"""scripts/sass_profile.py: the run-length summary of tagged SASS instructions, and (where
+nvdisasm is installed) one real sm_90a attention kernel profiled on the CPU."""
+
+import pytest
+
+from script_loader import load_script
+
+sp = load_script("sass_profile.py", "sass_profile")
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   WARPGROUP.ARRIVE ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/                   FMNMX R3, R24, R25, !PT ;
+        /*0060*/                   SHFL.BFLY PT, R4, R3, 0x1, 0x1f ;
+        /*0070*/                   MUFU.EX2 R5, R5 ;
+        /*0080*/                   MUFU.EX2 R6, R6 ;
+        /*0090*/               @P0 BRA 0x10 ;
+"""
+
+
+def test_runs_counts_and_orders_tagged_instructions():
+    order, totals = sp.runs(SASS)
+    assert order == ("WARPGROUP.ARRIVEx1 HGMMAx2 WARPGROUP.DEPBARx1 FMNMXx1 SHFLx1 "
+                     "MUFU.EX2x2 BRAx1")
+    assert totals["HGMMA"] == 2 and totals["MUFU.EX2"] == 2 and totals["SYNCS"] == 0
+
+
+@pytest.mark.skipif(sp.find_nvdisasm() is None, reason="needs nvdisasm")
+def test_default_kernel_profile(capsys):
+    assert sp.main(["--variant", "7"]) == 0
+    out = capsys.readouterr().out
+    totals = dict(kv.split("=") for kv in out.splitlines()[0].split()[1:])
+    assert int(totals["HGMMA"]) > 0 and int(totals["MUFU.EX2"]) >= 32
+    assert "HGMMAx" in out.splitlines()[1]
