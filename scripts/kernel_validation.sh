@@ -45,12 +45,15 @@ bench_s=${KVAL_BENCH_S:-600}
 cache_root=${CUTE_DSL_CACHE_DIR:-/tmp/ion-cute-cache}
 # sweeps stop starting cases 60 s before their step's limit, so each still writes a summary
 budget=$(( step_s > 120 ? step_s - 60 : step_s / 2 ))
+# KVAL_PYTEST_FILES (space-separated) narrows pytest-gpu to some files, e.g. only the tests
+# of what changed since the last full run (the full list takes ~6 min, CPU-compile bound)
+pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
+     tests/test_fused_writeback_gpu.py tests/test_unpacked_prefill_gpu.py
+     tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
+     tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
+     tests/test_lane_combine_gpu.py"}
 checks=(
-  "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
-     tests/test_batch_invariance_gpu.py tests/test_fused_writeback_gpu.py
-     tests/test_unpacked_prefill_gpu.py tests/test_two_consumers_gpu.py tests/test_kv_append.py
-     tests/test_row_combine_gpu.py tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py
-     tests/test_pdl_combine_gpu.py tests/test_lane_combine_gpu.py"
+  "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider $pytest_files"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"

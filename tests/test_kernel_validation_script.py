@@ -55,3 +55,23 @@ def test_step_subset(tmp_path):
     assert not (out / "sweep-append.log").exists() and (out / "sweep-fused.log").exists()
     bench_line = [ln for ln in r.stdout.splitlines() if ln.startswith("== bench-anchors")]
     assert bench_line and "--backends ion --out" in bench_line[0], r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_pytest_file_subset(tmp_path):
+    """KVAL_PYTEST_FILES narrows the pytest-gpu step to the named files (no GPU here: the
+    step collects them and deselects every test, so it cannot claim success)."""
+    out = tmp_path / "kv"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get("PATH", ""), KVAL_STEPS="pytest-gpu",
+               KVAL_PYTEST_FILES="tests/test_sass_profile.py",
+               CUTE_DSL_CACHE_DIR=str(tmp_path / "cute-cache"))
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "kernel_validation.sh"),
+                        str(out), "2"], capture_output=True, text=True, env=env, timeout=600,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tests/test_sass_profile.py" in r.stdout and "test_lane_combine_gpu" not in r.stdout
+    log = (out / "pytest-gpu.log").read_text()
+    assert "2 deselected" in log, log[-1500:]
+    steps = {s.split()[0]: s.split()[1] for s in (out / "steps.txt").read_text().splitlines()}
+    assert steps["pytest-gpu"] != "rc=0"
