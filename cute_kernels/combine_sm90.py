@@ -98,16 +98,17 @@ class CombineRowsSm90(CombineSm90):
     rest), instead of striding over the whole group buffer.
     """
 
-    # the launch (__call__, 128 threads) is CombineSm90's; only the kernel body differs
+    # the launch (__call__, 128 threads) is CombineSm90's; only the kernel body differs.
+    # The group walk below is shared with CombineLanesSm90, which overrides how one row is
+    # merged (_merge_row) and its per-thread scratch (_row_scratch).
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
                mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
-        D = self.head_dim
         Gp = self.group_pad
-        K = D // 32  # columns per lane: lane + 32 * j
+        K = self.head_dim // 32  # columns per lane: lane + 32 * j
         warps = self.threads // 32  # one row per warp
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -116,6 +117,7 @@ class CombineRowsSm90(CombineSm90):
         lane = tidx % 32
         cap = mCombine.shape[0]
         acc = cute.make_rmem_tensor((K,), cutlass.Float32)
+        scratch = self._row_scratch(K)
         gi = bidx
         ntok = cutlass.Int32(0)
         if gi < cap:
@@ -131,32 +133,45 @@ class CombineRowsSm90(CombineSm90):
             for r in cutlass.range(warp, n_rows, warps, unroll=1):
                 t = r // group_size
                 g = r - t * group_size
-                prow = base + t * Gp + g
-                m = -cutlass.Float32.inf
-                for s in cutlass.range(n_split, unroll=4):
-                    m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
-                if m == -cutlass.Float32.inf:
-                    m = cutlass.Float32(0.0)
-                den = cutlass.Float32(0.0)
-                acc.fill(0.0)
-                for s in cutlass.range(n_split, unroll=4):
-                    w = cute.math.exp2(mLsePartial[prow + s * split_stride] - m, fastmath=True)
-                    den = den + w
-                    for j in cutlass.range_constexpr(K):
-                        acc[j] = acc[j] + w * mOPartial[prow + s * split_stride, lane + 32 * j]
-                inv = cutlass.Float32(0.0)
-                if den > 0.0:
-                    inv = cutlass.Float32(1.0) / den
-                for j in cutlass.range_constexpr(K):
-                    mO[tok_base + t, h * group_size + g, lane + 32 * j] = (
-                        acc[j] * inv).to(self.dtype)
+                self._merge_row(mO, mOPartial, mLsePartial, acc, scratch, base + t * Gp + g,
+                                n_split, split_stride, lane, tok_base + t, h * group_size + g)
             gi = gi + gdim
             ntok = cutlass.Int32(0)
             if gi < cap:
                 ntok = mCombine[gi, C_NTOK]
 
+    def _row_scratch(self, K: int):
+        """Per-thread registers a row merge needs besides ``acc`` (none here)."""
+        return None
 
-class CombineLanesSm90(CombineSm90):
+    @cute.jit
+    def _merge_row(self, mO: cute.Tensor, mOPartial: cute.Tensor, mLsePartial: cute.Tensor,
+                   acc: cute.Tensor, scratch, prow: cutlass.Int32, n_split: cutlass.Int32,
+                   split_stride: cutlass.Int32, lane: cutlass.Int32, out_tok: cutlass.Int32,
+                   out_head: cutlass.Int32):
+        """Merge the ``n_split`` partials of workspace row ``prow`` into
+        ``mO[out_tok, out_head, :]`` (lane ``l`` holds columns ``l + 32 j``)."""
+        K = self.head_dim // 32
+        m = -cutlass.Float32.inf
+        for s in cutlass.range(n_split, unroll=4):
+            m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
+        if m == -cutlass.Float32.inf:
+            m = cutlass.Float32(0.0)
+        den = cutlass.Float32(0.0)
+        acc.fill(0.0)
+        for s in cutlass.range(n_split, unroll=4):
+            w = cute.math.exp2(mLsePartial[prow + s * split_stride] - m, fastmath=True)
+            den = den + w
+            for j in cutlass.range_constexpr(K):
+                acc[j] = acc[j] + w * mOPartial[prow + s * split_stride, lane + 32 * j]
+        inv = cutlass.Float32(0.0)
+        if den > 0.0:
+            inv = cutlass.Float32(1.0) / den
+        for j in cutlass.range_constexpr(K):
+            mO[out_tok, out_head, lane + 32 * j] = (acc[j] * inv).to(self.dtype)
+
+
+class CombineLanesSm90(CombineRowsSm90):
     """Split-parallel variant of :class:`CombineRowsSm90` (same arguments, same result).
 
     ``CombineRowsSm90`` walks a row's splits in loops unrolled x4: the lse loads of splits
@@ -175,93 +190,66 @@ class CombineLanesSm90(CombineSm90):
     #: splits whose partial O rows are loaded together (registers: SPLITS_IN_FLIGHT * D / 32)
     SPLITS_IN_FLIGHT = 8
 
-    @cute.kernel
-    def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
-               mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-        D = self.head_dim
-        Gp = self.group_pad
-        K = D // 32  # columns per lane: lane + 32 * j
+    def _row_scratch(self, K: int):
+        """The partial O of SPLITS_IN_FLIGHT splits, loaded together."""
+        return cute.make_rmem_tensor((self.SPLITS_IN_FLIGHT * K,), cutlass.Float32)
+
+    @cute.jit
+    def _merge_row(self, mO: cute.Tensor, mOPartial: cute.Tensor, mLsePartial: cute.Tensor,
+                   acc: cute.Tensor, scratch, prow: cutlass.Int32, n_split: cutlass.Int32,
+                   split_stride: cutlass.Int32, lane: cutlass.Int32, out_tok: cutlass.Int32,
+                   out_head: cutlass.Int32):
+        K = self.head_dim // 32
         S = self.SPLITS_IN_FLIGHT
-        warps = self.threads // 32  # one row per warp
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
-        cap = mCombine.shape[0]
-        acc = cute.make_rmem_tensor((K,), cutlass.Float32)
-        vals = cute.make_rmem_tensor((S * K,), cutlass.Float32)
-        gi = bidx
-        ntok = cutlass.Int32(0)
-        if gi < cap:
-            ntok = mCombine[gi, C_NTOK]
-        while ntok > 0:
-            b = mCombine[gi, C_REQ]
-            h = mCombine[gi, C_HEAD]
-            n_split = mCombine[gi, C_NSPLIT]
-            base = mCombine[gi, C_BASE]
-            tok_base = mQSL[b] + mCombine[gi, C_TOK0]
-            split_stride = ntok * Gp
-            n_rows = ntok * group_size
-            for r in cutlass.range(warp, n_rows, warps, unroll=1):
-                t = r // group_size
-                g = r - t * group_size
-                prow = base + t * Gp + g
-                # 1. lane s: lse of split s; then the partial O of the first S splits, all
-                #    issued before any of them is used
-                lse = -cutlass.Float32.inf
-                if lane < n_split:
-                    lse = mLsePartial[prow + lane * split_stride]
-                for k in cutlass.range_constexpr(S):
-                    for j in cutlass.range_constexpr(K):
-                        vals[k * K + j] = cutlass.Float32(0.0)
-                    if k < n_split:
-                        for j in cutlass.range_constexpr(K):
-                            vals[k * K + j] = mOPartial[prow + k * split_stride, lane + 32 * j]
-                # 2. the row max over every split (lanes hold splits 0..31, then a slow path)
-                m = lse
-                for s in cutlass.range(lane + 32, n_split, 32, unroll=1):
-                    m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
-                m = cute.arch.warp_reduction_max(m)
-                if m == -cutlass.Float32.inf:
-                    m = cutlass.Float32(0.0)
-                w = cute.math.exp2(lse - m, fastmath=True)  # 0 on lanes past n_split
-                # 3. merge: split s's weight comes from lane s by shuffle
-                den = cutlass.Float32(0.0)
-                acc.fill(0.0)
-                for k in cutlass.range_constexpr(S):
-                    ws = cute.arch.shuffle_sync(w, k)
-                    den = den + ws
-                    for j in cutlass.range_constexpr(K):
-                        acc[j] = acc[j] + ws * vals[k * K + j]
-                # later chunks of S splits (n_split > S), loaded together the same way
-                for s0 in cutlass.range(S, n_split, S, unroll=1):
-                    for k in cutlass.range_constexpr(S):
-                        for j in cutlass.range_constexpr(K):
-                            vals[k * K + j] = cutlass.Float32(0.0)
-                        if s0 + k < n_split:
-                            for j in cutlass.range_constexpr(K):
-                                vals[k * K + j] = mOPartial[prow + (s0 + k) * split_stride,
-                                                            lane + 32 * j]
-                    for k in cutlass.range_constexpr(S):
-                        ws = cutlass.Float32(0.0)
-                        if s0 + k < 32:  # warp-uniform; lanes past n_split hold w = 0
-                            ws = cute.arch.shuffle_sync(w, s0 + k)
-                        elif s0 + k < n_split:
-                            ws = cute.math.exp2(
-                                mLsePartial[prow + (s0 + k) * split_stride] - m, fastmath=True)
-                        den = den + ws
-                        for j in cutlass.range_constexpr(K):
-                            acc[j] = acc[j] + ws * vals[k * K + j]
-                inv = cutlass.Float32(0.0)
-                if den > 0.0:
-                    inv = cutlass.Float32(1.0) / den
+        vals = scratch
+        # 1. lane s: lse of split s; then the partial O of the first S splits, all issued
+        #    before any of them is used
+        lse = -cutlass.Float32.inf
+        if lane < n_split:
+            lse = mLsePartial[prow + lane * split_stride]
+        for k in cutlass.range_constexpr(S):
+            for j in cutlass.range_constexpr(K):
+                vals[k * K + j] = cutlass.Float32(0.0)
+            if k < n_split:
                 for j in cutlass.range_constexpr(K):
-                    mO[tok_base + t, h * group_size + g, lane + 32 * j] = (
-                        acc[j] * inv).to(self.dtype)
-            gi = gi + gdim
-            ntok = cutlass.Int32(0)
-            if gi < cap:
-                ntok = mCombine[gi, C_NTOK]
+                    vals[k * K + j] = mOPartial[prow + k * split_stride, lane + 32 * j]
+        # 2. the row max over every split (lanes hold splits 0..31, then a slow path)
+        m = lse
+        for s in cutlass.range(lane + 32, n_split, 32, unroll=1):
+            m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
+        m = cute.arch.warp_reduction_max(m)
+        if m == -cutlass.Float32.inf:
+            m = cutlass.Float32(0.0)
+        w = cute.math.exp2(lse - m, fastmath=True)  # 0 on lanes past n_split
+        # 3. merge: split s's weight comes from lane s by shuffle
+        den = cutlass.Float32(0.0)
+        acc.fill(0.0)
+        for k in cutlass.range_constexpr(S):
+            ws = cute.arch.shuffle_sync(w, k)
+            den = den + ws
+            for j in cutlass.range_constexpr(K):
+                acc[j] = acc[j] + ws * vals[k * K + j]
+        # later chunks of S splits (n_split > S), loaded together the same way
+        for s0 in cutlass.range(S, n_split, S, unroll=1):
+            for k in cutlass.range_constexpr(S):
+                for j in cutlass.range_constexpr(K):
+                    vals[k * K + j] = cutlass.Float32(0.0)
+                if s0 + k < n_split:
+                    for j in cutlass.range_constexpr(K):
+                        vals[k * K + j] = mOPartial[prow + (s0 + k) * split_stride,
+                                                    lane + 32 * j]
+            for k in cutlass.range_constexpr(S):
+                ws = cutlass.Float32(0.0)
+                if s0 + k < 32:  # warp-uniform; lanes past n_split hold w = 0
+                    ws = cute.arch.shuffle_sync(w, s0 + k)
+                elif s0 + k < n_split:
+                    ws = cute.math.exp2(
+                        mLsePartial[prow + (s0 + k) * split_stride] - m, fastmath=True)
+                den = den + ws
+                for j in cutlass.range_constexpr(K):
+                    acc[j] = acc[j] + ws * vals[k * K + j]
+        inv = cutlass.Float32(0.0)
+        if den > 0.0:
+            inv = cutlass.Float32(1.0) / den
+        for j in cutlass.range_constexpr(K):
+            mO[out_tok, out_head, lane + 32 * j] = (acc[j] * inv).to(self.dtype)
