@@ -576,66 +576,48 @@ def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
         backend_mod.row_combine()
 
 
-def test_lazy_rescale_switch(cpu_platform, tmp_path, monkeypatch):
-    """ION_LAZY_RESCALE: off unless set to 1; with 1 every device plan of the builder runs
-    the lazy-rescaling kernels; any other value is refused."""
+@pytest.mark.parametrize("env, attr, bad", [
+    ("LAZY_RESCALE_ENV", "lazy_rescale", "yes"),
+    ("PDL_COMBINE_ENV", "pdl_combine", "2"),
+    ("LANE_COMBINE_ENV", "lane_combine", "on"),
+])
+def test_opt_in_plan_switches(cpu_platform, tmp_path, monkeypatch, env, attr, bad):
+    """ION_LAZY_RESCALE (lazy-rescaling kernels), ION_PDL_COMBINE (combine by programmatic
+    dependent launch), ION_LANE_COMBINE (split-parallel combine): off unless set to 1; with
+    1 every device plan of the builder carries the option; any other value is refused."""
     import ion_vllm.backend as backend_mod
 
+    name = getattr(backend_mod, env)
     cfg = _gqa7_config(tmp_path)
     bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
-    monkeypatch.delenv(backend_mod.LAZY_RESCALE_ENV, raising=False)
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert not b.lazy_rescale and not b.plan.lazy_rescale
-    monkeypatch.setenv(backend_mod.LAZY_RESCALE_ENV, "1")
+    assert not getattr(b, attr) and not getattr(b.plan, attr)
+    monkeypatch.setenv(name, "1")
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert b.lazy_rescale and b.plan.lazy_rescale
-    assert b.plan128 is None or b.plan128.lazy_rescale
-    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.lazy_rescale
-    monkeypatch.setenv(backend_mod.LAZY_RESCALE_ENV, "yes")
-    with pytest.raises(ValueError, match="ION_LAZY_RESCALE"):
-        backend_mod.lazy_rescale()
+    assert getattr(b, attr) and getattr(b.plan, attr)
+    assert b.plan128 is None or getattr(b.plan128, attr)
+    assert getattr(b.build(0, common_metadata([1, 256], [300, 300], bt)).plan, attr)
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ValueError, match=name):
+        getattr(backend_mod, attr)()
 
 
-def test_pdl_combine_switch(cpu_platform, tmp_path, monkeypatch):
-    """ION_PDL_COMBINE: off unless set to 1; with 1 every device plan of the builder
-    launches its combine by programmatic dependent launch; any other value is refused."""
-    import ion_vllm.backend as backend_mod
-
-    cfg = _gqa7_config(tmp_path)
-    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
-    monkeypatch.delenv(backend_mod.PDL_COMBINE_ENV, raising=False)
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert not b.pdl_combine and not b.plan.pdl_combine
-    monkeypatch.setenv(backend_mod.PDL_COMBINE_ENV, "1")
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert b.pdl_combine and b.plan.pdl_combine
-    assert b.plan128 is None or b.plan128.pdl_combine
-    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.pdl_combine
-    monkeypatch.setenv(backend_mod.PDL_COMBINE_ENV, "2")
-    with pytest.raises(ValueError, match="ION_PDL_COMBINE"):
-        backend_mod.pdl_combine()
-
-
-def test_lane_combine_switch(cpu_platform, tmp_path, monkeypatch):
-    """ION_LANE_COMBINE: off unless set to 1; with 1 every device plan of the builder
-    merges splits with the split-parallel combine; any other value is refused."""
+def test_lane_combine_takes_precedence(cpu_platform, tmp_path, monkeypatch):
+    """With ION_LANE_COMBINE=1 the plans launch the split-parallel combine, although the
+    row combine is on by default."""
     import ion_vllm.backend as backend_mod
     from cute_kernels.attention import combine_kind
 
     cfg = _gqa7_config(tmp_path)
-    bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
-    monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
     monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert not b.lane_combine and combine_kind(b.plan) is True
+    assert combine_kind(b.plan) is True
     monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "1")
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert b.lane_combine and b.plan.lane_combine and combine_kind(b.plan) == "lanes"
-    assert b.plan128 is None or b.plan128.lane_combine
-    assert b.build(0, common_metadata([1, 256], [300, 300], bt)).plan.lane_combine
-    monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "on")
-    with pytest.raises(ValueError, match="ION_LANE_COMBINE"):
-        backend_mod.lane_combine()
+    assert combine_kind(b.plan) == "lanes"
 
 
 def test_experimental_128_token_pages_switch(make_config, monkeypatch):

@@ -8,12 +8,13 @@ combine."""
 import re
 
 import pytest
-import torch
 
 from cute_kernels import attention
 from cute_kernels.combine_sm90 import CombineLanesSm90
 from cute_kernels.compile_utils import compile_sm90a
 from cute_kernels.variants import ALL_VARIANTS, SUPPORTED_GROUP_PADS
+
+from combine_launch_checks import launched_combines
 
 _COMBINE_VARIANTS = ALL_VARIANTS[:: len(SUPPORTED_GROUP_PADS)]
 
@@ -51,25 +52,8 @@ def test_kind_is_checked_and_distinct():
 
 
 def test_device_plan_carries_the_choice(monkeypatch):
-    launched = []
-
-    def fake_combine(variant, rows=False, pdl=False):
-        launched.append(rows)
-        return lambda *a: None
-
-    monkeypatch.setattr(attention, "_compiled_combine", fake_combine)
-    monkeypatch.setattr(attention, "_compiled", lambda *a, **k: (lambda *x: None))
-    monkeypatch.setattr(attention, "check_inputs", lambda *a, **k: (2, 8, 2, 128, 64))
-    for rows, lanes in ((False, False), (True, False), (True, True), (False, True)):
-        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
-        sl = torch.tensor([9000, 300], dtype=torch.int32)
-        plan = attention.make_device_plan(qsl, sl, num_kv_heads=2, group_size=4, page_size=64,
-                                          head_dim=128, device="cpu", num_ctas=8,
-                                          row_combine=rows, lane_combine=lanes)
-        assert plan.lane_combine is lanes and plan.num_groups > 0
-        q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-        cache = torch.randn(200, 2, 64, 128, dtype=torch.bfloat16)
-        bt = torch.arange(2 * 150, dtype=torch.int32).reshape(2, 150) % 200
-        attention.ion_attention(q, cache, cache.clone(), torch.empty_like(q), qsl, sl, bt,
-                                0.1, plan)
-    assert launched == [False, True, "lanes", "lanes"]
+    launched = launched_combines(
+        monkeypatch, [{"row_combine": rows, "lane_combine": lanes}
+                      for rows, lanes in ((False, False), (True, False), (True, True),
+                                          (False, True))])
+    assert [rows for rows, _ in launched] == [False, True, "lanes", "lanes"]

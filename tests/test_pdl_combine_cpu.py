@@ -11,11 +11,12 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from cute_kernels import attention
 from cute_kernels.compile_utils import compile_sm90a
 from cute_kernels.variants import ALL_VARIANTS, SUPPORTED_GROUP_PADS
+
+from combine_launch_checks import launched_combines
 
 # the combine depends on (dtype, head_dim) only in its data path
 _COMBINE_VARIANTS = ALL_VARIANTS[:: len(SUPPORTED_GROUP_PADS)]
@@ -81,25 +82,6 @@ def test_pdl_launch_attribute_in_host_ir():
 
 def test_device_plan_carries_the_choice(monkeypatch):
     """``ion_attention`` launches the combine with PDL exactly when the plan says so."""
-    launched = []
-
-    def fake_combine(variant, rows=False, pdl=False):
-        launched.append((rows, pdl))
-        return lambda *a: None
-
-    monkeypatch.setattr(attention, "_compiled_combine", fake_combine)
-    monkeypatch.setattr(attention, "_compiled", lambda *a, **k: (lambda *x: None))
-    monkeypatch.setattr(attention, "check_inputs", lambda *a, **k: (2, 8, 2, 128, 64))
-    for pdl in (False, True):
-        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
-        sl = torch.tensor([9000, 300], dtype=torch.int32)
-        plan = attention.make_device_plan(qsl, sl, num_kv_heads=2, group_size=4, page_size=64,
-                                          head_dim=128, device="cpu", num_ctas=8,
-                                          row_combine=True, pdl_combine=pdl)
-        assert plan.pdl_combine is pdl and plan.num_groups > 0
-        q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-        cache = torch.randn(200, 2, 64, 128, dtype=torch.bfloat16)
-        bt = torch.arange(2 * 150, dtype=torch.int32).reshape(2, 150) % 200
-        attention.ion_attention(q, cache, cache.clone(), torch.empty_like(q), qsl, sl, bt,
-                                0.1, plan)
+    launched = launched_combines(monkeypatch, [{"row_combine": True, "pdl_combine": pdl}
+                                               for pdl in (False, True)])
     assert launched == [(True, False), (True, True)]

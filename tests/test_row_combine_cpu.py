@@ -7,11 +7,12 @@ import hashlib
 import re
 
 import pytest
-import torch
 
 from cute_kernels import attention
 from cute_kernels.compile_utils import compile_sm90a
 from cute_kernels.variants import ALL_VARIANTS
+
+from combine_launch_checks import launched_combines
 
 
 def _sha(ptx):
@@ -57,29 +58,8 @@ def test_device_plan_carries_the_choice(monkeypatch):
     """``ion_attention`` launches the combine variant named by the plan."""
     from cute_kernels import planner
 
-    launched = []
-
-    def fake_combine(variant, rows=False, pdl=False):
-        launched.append(rows)
-        return lambda *a: None
-
-    monkeypatch.setattr(attention, "_compiled_combine", fake_combine)
-    monkeypatch.setattr(attention, "_compiled", lambda *a, **k: (lambda *x: None))
-    # CPU tensors: skip the CUDA-device check, keep everything after it
-    monkeypatch.setattr(attention, "check_inputs", lambda *a, **k: (2, 8, 2, 128, 64))
-    for rows in (False, True):
-        qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
-        sl = torch.tensor([9000, 300], dtype=torch.int32)
-        plan = attention.make_device_plan(qsl, sl, num_kv_heads=2, group_size=4, page_size=64,
-                                          head_dim=128, device="cpu", num_ctas=8,
-                                          row_combine=rows)
-        assert plan.row_combine is rows and plan.num_groups > 0  # 9000 keys on 8 CTAs split
-        q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-        cache = torch.randn(200, 2, 64, 128, dtype=torch.bfloat16)
-        bt = torch.arange(2 * 150, dtype=torch.int32).reshape(2, 150) % 200
-        attention.ion_attention(q, cache, cache.clone(), torch.empty_like(q), qsl, sl, bt,
-                                0.1, plan)
-    assert launched == [False, True]
+    launched = launched_combines(monkeypatch, [{"row_combine": False}, {"row_combine": True}])
+    assert [rows for rows, _ in launched] == [False, True]
     assert planner.COMBINE_COLS == 6
 
 
