@@ -51,11 +51,15 @@ KERNEL_BLOCK_SIZE = validation.KERNEL_BLOCK_SIZE
 #: MMA M dimension of one q tile (docs/contract.md: tokens_per_tile = 64 // Gp).
 Q_TILE_ROWS = 64
 
-#: opt-in: ``ION_FUSED_KV_WRITEBACK=1`` writes the step's K/V inside the attention launch
-#: (``ion_attention(..., key=, value=)``, docs/contract.md "Fused KV writeback") instead of a
-#: separate ``kv_append`` launch.  Validated on the H200 (500/500 sweep cases, GPU tests);
-#: off by default until an end-to-end A/B (``ion-bench e2e --backends ION,ION+fused``) shows
-#: the predicted 1-2% on decode steps.
+#: ``ION_FUSED_KV_WRITEBACK`` (default 1): the step's new K/V are written into the paged
+#: cache inside the attention launch (``ion_attention(..., key=, value=)``, docs/contract.md
+#: "Fused KV writeback"), so no separate cache-write kernel runs; 0 restores ``kv_append``
+#: + attention.  Default since the H200 run of 2026-12-01 (ninth session: 500/500 sweep
+#: cases on 128-row tiles, GPU tests; one layer's launches, fused vs kv_append + attention:
+#: decode 32x8192 135.9 vs 138.0 us, prefill 8192 798.5 vs 832.0, mixed 160.4 vs 157.8;
+#: end to end with the lane combine, seed 0.996x and skewed 1.025x FLASH_ATTN).  Where the
+#: fused path cannot run (batch invariance, 128-token pages, KV-sharing layers) the default
+#: falls back to ``kv_append`` with a log line, and an explicit 1 is refused.
 FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
 #: ``ION_UNPACKED_PREFILL`` (default 1): long prefill rows of padded GQA groups are tiled
 #: one q head x 64 tokens (planner ``unpacked_prefill``, docs/contract.md).  On by default
@@ -90,10 +94,12 @@ LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
 #: the GPU (``griddepcontrol.wait``) for that grid to finish: the launch latency between the
 #: two kernels hides under the attention's tail.
 PDL_COMBINE_ENV = "ION_PDL_COMBINE"
-#: ``ION_LANE_COMBINE`` (default 0, an experiment not yet run on a GPU): split-KV partials
-#: are merged by the split-parallel combine (``CombineLanesSm90``: lane s of a row's warp
-#: loads split s, and every load of the row is in flight at once), which takes precedence
-#: over ``ION_ROW_COMBINE``.
+#: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
+#: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
+#: the row is in flight at once), which takes precedence over ``ION_ROW_COMBINE``; 0
+#: restores the row combine.  Default since the H200 run of 2026-12-01 (ninth session:
+#: GPU tests incl. the >32-split path, 500/500 sweep cases; decode 8x32768 138.8 -> 134.3
+#: us, 32x8192 135.9 -> 133.9, skewed 164.1 -> 161.3, in one A/B; bench/notes.md).
 LANE_COMBINE_ENV = "ION_LANE_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
@@ -158,7 +164,25 @@ def _switch(name: str, what: str, default: str = "0") -> bool:
 
 
 def fused_kv_writeback() -> bool:
-    return _switch(FUSED_KV_ENV, "fused KV writeback")
+    return _switch(FUSED_KV_ENV, "fused KV writeback", default="1")
+
+
+def fused_kv_writeback_requested() -> bool:
+    """True when ``ION_FUSED_KV_WRITEBACK=1`` is set explicitly (not only the default): then
+    a configuration that cannot run it is refused instead of falling back."""
+    return FUSED_KV_ENV in os.environ and fused_kv_writeback()
+
+
+def model_shares_kv_cache(vllm_config) -> bool:
+    """Whether any attention layer of the model reads another layer's KV cache
+    (``kv_sharing_target_layer_name``): such a layer gets no key/value of its own."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+    except (ImportError, AttributeError):
+        return False
+    return any(getattr(layer, "kv_sharing_target_layer_name", None) for layer in layers.values())
 
 
 def unpacked_prefill() -> bool:
@@ -178,7 +202,7 @@ def pdl_combine() -> bool:
 
 
 def lane_combine() -> bool:
-    return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine")
+    return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine", default="1")
 
 
 def prefill_tile_m_auto() -> bool:
@@ -241,15 +265,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             logger.info("ION: VLLM_BATCH_INVARIANT=1, planning without split-KV")
             self.allow_split = False
         #: fused KV writeback: the plan indexes KV units (cache pages + fresh tiles)
-        self.fresh_kv = fused_kv_writeback()
-        if self.fresh_kv and batch_invariant_mode():
-            # fresh tiles start at the chunk's first new token, so a row's KV tiling (and
-            # its reduction order) would depend on how the request was chunked
-            logger.warning_once("ION: %s=1 ignored under VLLM_BATCH_INVARIANT=1 (fused "
-                                "tiles depend on chunking); using kv_append", FUSED_KV_ENV)
-            self.fresh_kv = False
-        if self.fresh_kv:
-            logger.info_once("ION: fused KV writeback (%s=1)", FUSED_KV_ENV)
+        self.fresh_kv = self._fused_kv_writeback(kv_cache_spec, vllm_config)
         #: unpacked prefill tiles (one q head x 64 tokens for long prefill rows, G < Gp)
         self.unpacked = unpacked_prefill()
         if self.unpacked and batch_invariant_mode():
@@ -276,11 +292,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.lazy_rescale:
             logger.warning_once("ION: lazy-rescaling attention kernels (%s=1, an experiment; "
                                 "slower than the default on the H200)", LAZY_RESCALE_ENV)
-        #: split-parallel combine kernel (an experiment; off by default)
+        #: split-parallel combine kernel (default; 0: the row combine)
         self.lane_combine = lane_combine()
-        if self.lane_combine:
-            logger.warning_once("ION: split-parallel split-KV combine (%s=1, an experiment "
-                                "whose GPU tests have not run yet)", LANE_COMBINE_ENV)
+        if not self.lane_combine:
+            logger.info_once("ION: %s split-KV combine (%s=0)",
+                             "row" if self.row_combine else "group", LANE_COMBINE_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -292,9 +308,6 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                 f"ION needs a kernel KV block size of {page}, got "
                 f"{kv_cache_spec.block_size}; use --block-size {page}")
         if page != KERNEL_BLOCK_SIZE:
-            if self.fresh_kv:
-                raise ValueError(f"{FUSED_KV_ENV}=1 needs {KERNEL_BLOCK_SIZE}-token pages; unset "
-                                 f"{validation.EXPERIMENTAL_PAGE_ENV} or {FUSED_KV_ENV}")
             logger.warning_once("ION: %d-token KV pages (%s, an experiment: its GPU tests "
                                 "pass, but it is slower than 64-token pages on the H200)",
                                 page, validation.EXPERIMENTAL_PAGE_ENV)
@@ -346,6 +359,37 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
                        lane_combine=self.lane_combine)
+
+    @staticmethod
+    def _fused_kv_writeback(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
+        """Whether this builder's plans write the step's K/V inside the attention launch
+        (``ION_FUSED_KV_WRITEBACK``, default on).  Off, with a log line, where the fused path
+        cannot run; an explicit ``ION_FUSED_KV_WRITEBACK=1`` is refused there instead,
+        except under batch invariance, which always wins."""
+        if not fused_kv_writeback():
+            logger.info_once("ION: kv_append + attention (%s=0)", FUSED_KV_ENV)
+            return False
+        requested = fused_kv_writeback_requested()
+        if batch_invariant_mode():
+            # fresh tiles start at the chunk's first new token, so a row's KV tiling (and
+            # its reduction order) would depend on how the request was chunked
+            (logger.warning_once if requested else logger.info_once)(
+                "ION: fused KV writeback off under VLLM_BATCH_INVARIANT=1 (fused tiles "
+                "depend on chunking); using kv_append")
+            return False
+        why = None
+        if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
+            why = (f"needs {KERNEL_BLOCK_SIZE}-token pages (got {kv_cache_spec.block_size}, "
+                   f"{validation.EXPERIMENTAL_PAGE_ENV})")
+        elif model_shares_kv_cache(vllm_config):
+            why = "reads each layer's own key/value, and this model has KV-sharing layers"
+        if why is not None:
+            if requested:
+                raise ValueError(f"{FUSED_KV_ENV}=1 {why}; unset {FUSED_KV_ENV}")
+            logger.info_once("ION: fused KV writeback %s: using kv_append", why)
+            return False
+        logger.info_once("ION: fused KV writeback (one launch writes the cache and attends)")
+        return True
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
@@ -627,7 +671,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        if kv_sharing_target_layer_name is not None and fused_kv_writeback():
+        if kv_sharing_target_layer_name is not None and fused_kv_writeback_requested():
             raise ValueError(
                 f"ION: {FUSED_KV_ENV}=1 reads each step's K/V from the layer's own key/value, "
                 f"but layer shares the KV cache of {kv_sharing_target_layer_name!r}; unset "

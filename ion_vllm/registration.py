@@ -61,10 +61,25 @@ def register_backend_override() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, ION_BACKEND_QUALNAME)
 
 
+def route_logs_to_vllm() -> None:
+    """Give the ``ion_vllm`` loggers vLLM's handlers and level (idempotent).
+
+    vLLM configures only its own ``vllm`` logger, so without this the backend's INFO lines
+    (which kernel path it chose, and every logged fallback) would be dropped, and its
+    warnings printed without vLLM's format.  Records still propagate to the root logger."""
+    ion, vllm_logger = logging.getLogger("ion_vllm"), logging.getLogger("vllm")
+    for h in vllm_logger.handlers:
+        if h not in ion.handlers:
+            ion.addHandler(h)
+    if vllm_logger.handlers and ion.level == logging.NOTSET:
+        ion.setLevel(vllm_logger.level)
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``ION`` (and ``CUSTOM``) resolve to ION."""
     from ion_vllm.kv_tier import register_kv_tier
 
+    route_logs_to_vllm()
     install_enum_alias()
     register_backend_override()
     register_kv_tier()  # the IonKVTier OffloadingSpec (idempotent, imports nothing heavy)

@@ -26,17 +26,26 @@
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # KBENCH_BACKENDS, COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
-# E2E_BACKENDS, E2E_BUDGET_S, KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
+# E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
+# refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
 # kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+# Run from a private copy of the checkout: every device call re-syncs the working tree, and
+# a file replaced while CuTeDSL reads a kernel's source fails that compile (seen on
+# 2026-12-01: one sweep case, "could not get source code" for a kernel method).
+if [ -z "${ION_SESSION_SNAPSHOT:-}" ]; then
+  snap=$(mktemp -d /tmp/ion-session-src.XXXXXX)
+  tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$snap" -xf -
+  ION_SESSION_SNAPSHOT=$snap exec bash "$snap/scripts/gpu_session.sh" "$out"
+fi
 model=${MODEL:-/tmp/ion-demo}
 tiny=${TINY_MODEL:-/tmp/tiny}
 steps=${SESSION_STEPS:-kbench preempt e2e kvtier}
-mkdir -p "$out"
 : > "$out/steps.txt"
 
 want() { [[ " $steps " == *" $1 "* ]]; }
@@ -79,7 +88,7 @@ fi
 if want e2e; then
   step e2e "$(( ${E2E_BUDGET_S:-900} + 240 ))" python3 -m ion_vllm.bench.cli e2e --serve \
     --colocate --workload "${E2E_WORKLOADS:-seed,skewed,decode-heavy,shared-prefix,long}" \
-    --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" --repeats 2 --kv-cache-gib 30 \
+    --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" --repeats 2 --kv-cache-gib "${E2E_KV_GIB:-30}" \
     --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"

@@ -222,8 +222,10 @@ def test_builder_plans_once_into_persistent_buffers(make_config):
     assert int(md2.plan.cta_offsets[-1]) == md2.plan.num_items
 
 
-def test_builder_plans_from_host_seq_lens(make_config):
+def test_builder_plans_from_host_seq_lens(make_config, monkeypatch):
     """The plan must come from vLLM's host copies (no device sync), not the device tensor."""
+    # a page plan (kv_append + attention), whose work items count whole cache pages
+    monkeypatch.setenv("ION_FUSED_KV_WRITEBACK", "0")
     cfg = make_config("--max-num-seqs", "4")
     builder = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     bt = torch.arange(8, dtype=torch.int32).reshape(1, 8)
@@ -272,10 +274,7 @@ def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False, pa
 
     import ion_vllm.backend as backend_mod
 
-    if fused:
-        monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1")
-    else:
-        monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1" if fused else "0")
     if fault:
         monkeypatch.setenv(FAULT_INJECT_ENV, "swap_kv_page")
     else:
@@ -334,7 +333,8 @@ def test_impl_writes_cache_then_attends(make_config, monkeypatch):
 
 def test_fused_kv_writeback_switch_uses_one_launch(make_config, monkeypatch):
     """ION_FUSED_KV_WRITEBACK=1: the builder plans KV units and forward makes one call that
-    writes the cache and attends (no kv_append); the cache and output are the same."""
+    writes the cache and attends (no kv_append); the cache and output are the same as with
+    ION_FUSED_KV_WRITEBACK=0 (kv_append, then the attention)."""
     out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, fused=True)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
@@ -351,6 +351,54 @@ def test_fused_kv_writeback_env_checks(monkeypatch):
     monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "0")
     assert not backend_mod.fused_kv_writeback()
     IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
+    # the default (unset) is on, and a KV-sharing layer is accepted: its builder falls
+    # back to kv_append (test_fused_default_falls_back_where_it_cannot_run)
+    monkeypatch.delenv(backend_mod.FUSED_KV_ENV)
+    assert backend_mod.fused_kv_writeback() and not backend_mod.fused_kv_writeback_requested()
+    IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
+
+
+def test_fused_kv_writeback_is_the_default(make_config, monkeypatch):
+    """Unset, ION_FUSED_KV_WRITEBACK is on: the builder plans KV units, and forward makes one
+    launch that writes the cache and attends (no kv_append), with the right cache and
+    output."""
+    import ion_vllm.backend as backend_mod
+
+    monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
+    assert IonAttentionMetadataBuilder(kv_spec(), [], make_config(),
+                                       torch.device("cpu")).fresh_kv
+    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, fused=True)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_default_falls_back_where_it_cannot_run(make_config, monkeypatch):
+    """The default fused writeback turns itself off, with kv_append instead, for 128-token
+    pages and for models with KV-sharing layers; an explicit ION_FUSED_KV_WRITEBACK=1 is
+    refused there with the reason."""
+    import types
+
+    import ion_vllm.backend as backend_mod
+    from ion_vllm import validation
+
+    cfg = make_config()
+    monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
+    assert not backend_mod.model_shares_kv_cache(cfg)
+    # a model whose second layer reads the first layer's cache
+    shared = types.SimpleNamespace(kv_sharing_target_layer_name="model.layers.0.attn")
+    with monkeypatch.context() as m:
+        m.setattr("vllm.config.get_layers_from_vllm_config",
+                  lambda config, layer_type, names=None: {"model.layers.1.attn": shared})
+        assert backend_mod.model_shares_kv_cache(cfg)
+        assert not IonAttentionMetadataBuilder(kv_spec(), [], cfg,
+                                               torch.device("cpu")).fresh_kv
+        m.setenv(backend_mod.FUSED_KV_ENV, "1")
+        with pytest.raises(ValueError, match="KV-sharing layers"):
+            IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    # 128-token pages
+    monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
+    monkeypatch.setenv(validation.EXPERIMENTAL_PAGE_ENV, "128")
+    cfg = make_config()
+    assert not IonAttentionMetadataBuilder(kv_spec(128), [], cfg, torch.device("cpu")).fresh_kv
 
 
 def test_fused_kv_writeback_is_off_under_batch_invariance(make_config, monkeypatch):
@@ -576,37 +624,40 @@ def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
         backend_mod.row_combine()
 
 
-@pytest.mark.parametrize("env, attr, bad", [
-    ("LAZY_RESCALE_ENV", "lazy_rescale", "yes"),
-    ("PDL_COMBINE_ENV", "pdl_combine", "2"),
-    ("LANE_COMBINE_ENV", "lane_combine", "on"),
+@pytest.mark.parametrize("env, attr, default, bad", [
+    ("LAZY_RESCALE_ENV", "lazy_rescale", False, "yes"),
+    ("PDL_COMBINE_ENV", "pdl_combine", False, "2"),
+    ("LANE_COMBINE_ENV", "lane_combine", True, "on"),
 ])
-def test_opt_in_plan_switches(cpu_platform, tmp_path, monkeypatch, env, attr, bad):
-    """ION_LAZY_RESCALE (lazy-rescaling kernels), ION_PDL_COMBINE (combine by programmatic
-    dependent launch), ION_LANE_COMBINE (split-parallel combine): off unless set to 1; with
-    1 every device plan of the builder carries the option; any other value is refused."""
+def test_plan_switches(cpu_platform, tmp_path, monkeypatch, env, attr, default, bad):
+    """ION_LAZY_RESCALE (lazy-rescaling kernels) and ION_PDL_COMBINE (combine by
+    programmatic dependent launch) are off unless set to 1; ION_LANE_COMBINE (split-parallel
+    combine) is on unless set to 0.  When on, every device plan of the builder carries the
+    option; any value other than 0/1 is refused."""
     import ion_vllm.backend as backend_mod
 
     name = getattr(backend_mod, env)
     cfg = _gqa7_config(tmp_path)
     bt = torch.arange(2 * 8, dtype=torch.int32).reshape(2, 8)
-    monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert not getattr(b, attr) and not getattr(b.plan, attr)
-    monkeypatch.setenv(name, "1")
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert getattr(b, attr) and getattr(b.plan, attr)
-    assert b.plan128 is None or getattr(b.plan128, attr)
-    assert getattr(b.build(0, common_metadata([1, 256], [300, 300], bt)).plan, attr)
+    for value, on in ((None, default), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+        assert getattr(b, attr) is on and bool(getattr(b.plan, attr)) is on
+        assert b.plan128 is None or bool(getattr(b.plan128, attr)) is on
+        assert bool(getattr(b.build(0, common_metadata([1, 256], [300, 300], bt)).plan,
+                            attr)) is on
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=name):
         getattr(backend_mod, attr)()
 
 
 def test_lane_combine_takes_precedence(cpu_platform, tmp_path, monkeypatch):
-    """With ION_LANE_COMBINE=1 the plans launch the split-parallel combine, although the
-    row combine is on by default."""
+    """By default the plans launch the split-parallel combine, although the row combine is
+    on by default too; ION_LANE_COMBINE=0 gives the row combine back."""
     import ion_vllm.backend as backend_mod
     from cute_kernels.attention import combine_kind
 
@@ -614,10 +665,10 @@ def test_lane_combine_takes_precedence(cpu_platform, tmp_path, monkeypatch):
     monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
     monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
     b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert combine_kind(b.plan) is True
-    monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "1")
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     assert combine_kind(b.plan) == "lanes"
+    monkeypatch.setenv(backend_mod.LANE_COMBINE_ENV, "0")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert combine_kind(b.plan) is True
 
 
 def test_experimental_128_token_pages_switch(make_config, monkeypatch):

@@ -201,6 +201,59 @@ def test_cli_option_checks(tmp_path, capsys):
                      "--dry-run"]) == 2
 
 
+QWEN25_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944,
+             "vocab_size": 152064, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "head_dim": 128, "tie_word_embeddings": False}
+
+
+def test_weight_estimate_from_config(tmp_path):
+    """Qwen2.5-7B's config gives its 7,615,283,200 parameters (2 bytes each); MoE configs,
+    empty and missing configs give None (no memory check)."""
+    m = _model_dir(tmp_path)
+    assert e2e.estimate_weight_bytes(m) is None  # "{}"
+    (m / "config.json").write_text(json.dumps(QWEN25_7B))
+    assert e2e.estimate_weight_bytes(m) == 2 * 7_615_283_200
+    tied = dict(QWEN25_7B, tie_word_embeddings=True)
+    (m / "config.json").write_text(json.dumps(tied))
+    assert e2e.estimate_weight_bytes(m) == 2 * (7_615_283_200 - 152064 * 3584)
+    (m / "config.json").write_text(json.dumps(dict(QWEN25_7B, num_experts=8)))
+    assert e2e.estimate_weight_bytes(m) is None
+    assert e2e.estimate_weight_bytes(tmp_path / "nowhere") is None
+
+
+def test_colocated_memory_check():
+    """Three 7B servers with 30 GiB of KV each overcommit an H200 (143,771 MiB): refused,
+    with the KV size that fits; two fit; an unknown GPU or model is not checked."""
+    h200, w = 143771 << 20, 2 * 7_615_283_200
+    e2e.check_colocated_memory(2, 30, w, h200)
+    with pytest.raises(ValueError, match=r"--kv-cache-gib 29\.6 or fewer backends"):
+        e2e.check_colocated_memory(3, 30, w, h200)
+    e2e.check_colocated_memory(3, 29.6, w, h200)
+    with pytest.raises(ValueError, match="reserve alone do not fit"):
+        e2e.check_colocated_memory(10, 1, w, h200)
+    e2e.check_colocated_memory(3, 30, None, h200)
+    e2e.check_colocated_memory(3, 30, w, None)
+
+
+def test_cli_refuses_an_overcommitted_colocated_run(tmp_path, monkeypatch, capsys):
+    m = _model_dir(tmp_path)
+    (m / "config.json").write_text(json.dumps(QWEN25_7B))
+    monkeypatch.setattr(e2e, "gpu_total_bytes", lambda: 143771 << 20)
+    assert cli.main(["e2e", "--colocate", "--backends", "ION,ION+append,FLASH_ATTN",
+                     "--kv-cache-gib", "30", "--model", str(m),
+                     "--out", str(tmp_path / "res")]) == 2
+    out = capsys.readouterr().out
+    assert "> the GPU's 140.4 GiB" in out and "--kv-cache-gib 29.6" in out
+    assert not (tmp_path / "res").exists()  # refused before anything ran
+
+
+def test_log_tail(tmp_path):
+    p = tmp_path / "server.log"
+    p.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert e2e.log_tail(p, 3) == "line 97\nline 98\nline 99"
+    assert e2e.log_tail(tmp_path / "missing") == ""
+
+
 def test_colocated_dry_run(tmp_path, capsys):
     m = _model_dir(tmp_path)
     assert cli.main(["e2e", "--serve", "--colocate", "--workload", "decode-heavy,skewed",

@@ -198,34 +198,34 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
     for case in (prefill, mixed):
         kr.PREPARE["ion-auto"](case, 0, "cpu", {})
-    assert seen == [{"unpacked_prefill": True, "tile_m": 128, "row_combine": True},
-                    {"unpacked_prefill": True, "tile_m": 64, "row_combine": True}]
-    # the combine ion-auto plans is the backend's default one (ION_ROW_COMBINE unset)
+    auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
+    assert seen == [dict(auto, tile_m=128), dict(auto, tile_m=64)]
+    # the combine ion-auto plans is the backend's default one (ION_LANE_COMBINE and
+    # ION_ROW_COMBINE unset: the split-parallel combine)
     import ion_vllm.backend as backend_mod
     monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
-    assert backend_mod.row_combine() is True
+    monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
+    assert backend_mod.row_combine() is True and backend_mod.lane_combine() is True
     seen.clear()
     kr.PREPARE["ion-auto-rc"](mixed, 0, "cpu", {})
     kr.PREPARE["ion-auto-gc"](mixed, 0, "cpu", {})
-    assert [o["row_combine"] for o in seen] == [True, False]
+    assert [(o["lane_combine"], o["row_combine"]) for o in seen] == [(False, True),
+                                                                      (False, False)]
     assert all(o["tile_m"] == 64 and o["unpacked_prefill"] for o in seen)
     # ion-auto-lr: the same plan options on the lazy-rescaling kernels
     seen.clear()
     kr.PREPARE["ion-auto-lr"](prefill, 0, "cpu", {})
-    assert seen == [{"unpacked_prefill": True, "tile_m": 128, "row_combine": True,
-                     "lazy_rescale": True}]
+    assert seen == [dict(auto, tile_m=128, lazy_rescale=True)]
     assert "ion-auto-lr" in kr.BACKENDS
     # ion-auto-pdl: the same plan options, combine by programmatic dependent launch
     seen.clear()
     kr.PREPARE["ion-auto-pdl"](mixed, 0, "cpu", {})
-    assert seen == [{"unpacked_prefill": True, "tile_m": 64, "row_combine": True,
-                     "pdl_combine": True}]
+    assert seen == [dict(auto, tile_m=64, pdl_combine=True)]
     assert "ion-auto-pdl" in kr.BACKENDS
-    # ion-auto-lc: the same plan options, split-parallel combine
+    # ion-auto-lc: the split-parallel combine, now the default: the same as ion-auto
     seen.clear()
     kr.PREPARE["ion-auto-lc"](mixed, 0, "cpu", {})
-    assert seen == [{"unpacked_prefill": True, "tile_m": 64, "row_combine": True,
-                     "lane_combine": True}]
+    assert seen == [dict(auto, tile_m=64)]
     assert "ion-auto-lc" in kr.BACKENDS
 
 
@@ -248,7 +248,8 @@ def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):
     prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
     prep = kr.PREPARE["ion-auto-p128"](prefill, 0, "cpu", {})
     prep.call()
-    assert seen == [(128, {"unpacked_prefill": True, "tile_m": 128, "row_combine": True})]
+    assert seen == [(128, {"unpacked_prefill": True, "tile_m": 128, "row_combine": True,
+                           "lane_combine": True})]
     assert calls == [128] and got == {"plan": "plan", "experimental_pages": True}
     got.clear()
     kr.PREPARE["ion-auto"](prefill, 0, "cpu", {}).call()

@@ -174,3 +174,30 @@ def test_config_survives_pickle_into_fresh_process(cpu_platform, tiny_model, tmp
     """)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.strip().splitlines()[-1] == ION_PATH
+
+
+def test_ion_logs_reach_vllms_handler(monkeypatch):
+    """register() routes the ion_vllm loggers to vLLM's handler and level: the backend's
+    INFO lines (its chosen path, every logged fallback) appear in vLLM's log, once each."""
+    import logging
+
+    from ion_vllm.registration import route_logs_to_vllm
+
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    vllm_logger, ion = logging.getLogger("vllm"), logging.getLogger("ion_vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [Keep()])
+    monkeypatch.setattr(vllm_logger, "level", logging.INFO)
+    monkeypatch.setattr(ion, "handlers", [])
+    monkeypatch.setattr(ion, "level", logging.NOTSET)
+    logging.getLogger("ion_vllm.backend").info("before")
+    assert got == []  # unrouted: vLLM's handler never sees it
+    route_logs_to_vllm()
+    route_logs_to_vllm()
+    logging.getLogger("ion_vllm.backend").info("ION: fused KV writeback")
+    logging.getLogger("ion_vllm.backend").debug("hidden at INFO")
+    assert got == ["ION: fused KV writeback"]

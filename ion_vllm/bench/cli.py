@@ -86,11 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "fa3,fa4,triton "
                         "(-p128: over 128-token pages, an experiment; -lr: lazy-rescaling "
                         "kernels, an experiment; -pdl: the combine by programmatic dependent "
-                        "launch; -lc: the split-parallel combine; -append: kv_append of "
-                        "the new K/V, then the attention; "
-                        "-fused: fused KV writeback, one launch; ion: packed "
-                        "64-row tiles; ion-auto: what the vLLM backend runs by default; -rc: "
-                        "the row-parallel split-KV combine, part of the default; -gc: the "
+                        "launch; -lc: the split-parallel combine, part of the default; "
+                        "-append: kv_append of the new K/V, then the attention; "
+                        "-fused: fused KV writeback, one launch (what a vLLM layer runs by "
+                        "default); ion: packed 64-row tiles; ion-auto: the vLLM backend's "
+                        "default attention (no cache write, like fa3); -rc: the "
+                        "row-parallel split-KV combine instead; -gc: the "
                         "group combine instead; ion-unpacked: unpacked prefill tiles; "
                         "ion-m128: 128-row tiles on two consumer warpgroups)")
     k.add_argument("--out", help="results dir (default bench/results/<date>-<gpu>)")
@@ -283,7 +284,11 @@ def cmd_e2e(args) -> int:
         return 0
     try:
         e2e_mod.ensure_model(opts, log=_log)
-    except (FileNotFoundError, subprocess.CalledProcessError) as err:
+        if args.colocate:
+            e2e_mod.check_colocated_memory(len(opts.backends), opts.kv_cache_gib,
+                                           e2e_mod.estimate_weight_bytes(opts.model),
+                                           e2e_mod.gpu_total_bytes())
+    except (FileNotFoundError, subprocess.CalledProcessError, ValueError) as err:
         _log(f"ion-bench: {err}")
         return 2
     gpu = gpu_name_via_subprocess(opts.python)

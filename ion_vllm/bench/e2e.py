@@ -68,23 +68,29 @@ BACKENDS = ("ION", "FLASH_ATTN")
 #: ION variants for the A/B: a label, run as ``--attention-backend ION`` with the backend's
 #: opt-in switches set in the environment (ion_vllm/backend.py)
 ION_VARIANTS: dict[str, dict[str, str]] = {
-    # the backend's defaults since 2026-11-29: unpacked prefill tiles, 128-row tiles per step,
-    # row-parallel combine (ION+groupcomb: the combine before the fourth session)
-    "ION+packed": {"ION_UNPACKED_PREFILL": "0", "ION_PREFILL_TILE_M": "64"},  # before that
+    # the backend's defaults since the ninth session (2026-12-01): unpacked prefill tiles,
+    # 128-row tiles per step, the split-parallel combine, fused KV writeback
+    "ION+packed": {"ION_UNPACKED_PREFILL": "0", "ION_PREFILL_TILE_M": "64"},  # before v4
     "ION+m64": {"ION_PREFILL_TILE_M": "64"},
-    "ION+rowcomb": {"ION_ROW_COMBINE": "1"},
-    "ION+groupcomb": {"ION_ROW_COMBINE": "0"},
+    # the combines the split-parallel one replaced: rows (default of sessions 4-8), group
+    "ION+rowcomb": {"ION_LANE_COMBINE": "0"},
+    "ION+groupcomb": {"ION_LANE_COMBINE": "0", "ION_ROW_COMBINE": "0"},
     # 128-token KV pages (kernel API experimental_pages): the e2e side of ion-auto-p128
     "ION+p128": {"ION_EXPERIMENTAL_PAGE": "128"},
     # lazy-rescaling attention kernels: the e2e side of ion-auto-lr
     "ION+lazy": {"ION_LAZY_RESCALE": "1"},
     # split-KV combine by programmatic dependent launch: the e2e side of ion-auto-pdl
     "ION+pdl": {"ION_PDL_COMBINE": "1"},
-    # the split-parallel combine: the e2e side of ion-auto-lc
-    "ION+lanes": {"ION_LANE_COMBINE": "1"},
+    # kv_append + attention instead of fused writeback: the e2e side of ion-auto-append
+    "ION+append": {"ION_FUSED_KV_WRITEBACK": "0"},
+    # the defaults of sessions 4-8 (row combine, kv_append)
+    "ION+append+rowcomb": {"ION_FUSED_KV_WRITEBACK": "0", "ION_LANE_COMBINE": "0"},
     "ION+unpacked": {"ION_UNPACKED_PREFILL": "1"},
+    # now part of the defaults; the labels stay for the recorded results that use them
+    "ION+lanes": {"ION_LANE_COMBINE": "1"},
     "ION+fused": {"ION_FUSED_KV_WRITEBACK": "1"},
     "ION+fused+unpacked": {"ION_FUSED_KV_WRITEBACK": "1", "ION_UNPACKED_PREFILL": "1"},
+    "ION+lanes+fused": {"ION_LANE_COMBINE": "1", "ION_FUSED_KV_WRITEBACK": "1"},
 }
 
 
@@ -268,6 +274,80 @@ def colocate_gpu_memory_utilization(n_servers: int) -> float:
     if n_servers < 1:
         raise ValueError("need at least one server")
     return (COLOCATE_GPU_FRACTION_PCT // n_servers) / 100
+
+
+#: GiB per colocated server that is neither weights nor KV cache (CUDA context, activations,
+#: CUDA-graph pools, torch.compile workspaces), for ``check_colocated_memory``
+COLOCATE_RESERVE_GIB = 3.0
+
+
+def estimate_weight_bytes(model: str | os.PathLike, dtype_bytes: int = 2) -> int | None:
+    """Weight bytes of a dense decoder from its ``config.json`` (embeddings, attention,
+    gated MLP, untied LM head), or None if the config is missing or is not that shape (MoE,
+    multimodal): Qwen2.5-7B gives 7.62e9 parameters, 15.2 GB in bf16."""
+    try:
+        c = json.loads((Path(model) / "config.json").read_text())
+        h, n_layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        inter, vocab = int(c["intermediate_size"]), int(c["vocab_size"])
+        nh = int(c["num_attention_heads"])
+        nkv = int(c.get("num_key_value_heads") or nh)
+        d = int(c.get("head_dim") or h // nh)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if any(k in c for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    attn = 2 * h * nh * d + 2 * h * nkv * d
+    params = n_layers * (attn + 3 * h * inter) + vocab * h * (
+        1 if c.get("tie_word_embeddings") else 2)
+    return params * dtype_bytes
+
+
+def gpu_total_bytes() -> int | None:
+    """This host's GPU memory (device 0) from ``nvidia-smi``, or None without one.  Not
+    through torch: a CUDA context in the bench process would hold GPU memory for the
+    whole run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        return int(out.split()[0]) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def check_colocated_memory(n_servers: int, kv_cache_gib: float, weight_bytes: int | None,
+                           total_bytes: int | None,
+                           reserve_gib: float = COLOCATE_RESERVE_GIB) -> None:
+    """Refuse a colocated run whose servers cannot all fit on the GPU: each needs its fixed
+    KV cache (``--kv-cache-memory-bytes`` is not capped by ``--gpu-memory-utilization``),
+    its weights and ``reserve_gib``.  Overcommitted, one server dies with an out-of-memory
+    error mid-benchmark (seen on 2026-12-01: three 7B servers at 30 GiB each).  Unknown
+    weights or GPU size: no check."""
+    if weight_bytes is None or total_bytes is None:
+        return
+    gib = 1 << 30
+    need = n_servers * (kv_cache_gib * gib + weight_bytes + reserve_gib * gib)
+    if need > total_bytes:
+        fit = total_bytes / n_servers / gib - weight_bytes / gib - reserve_gib
+        raise ValueError(
+            f"--colocate: {n_servers} servers x ({kv_cache_gib:g} GiB KV + "
+            f"{weight_bytes / gib:.1f} GiB weights + {reserve_gib:g} GiB reserve) = "
+            f"{need / gib:.1f} GiB > the GPU's {total_bytes / gib:.1f} GiB; use "
+            f"--kv-cache-gib {math.floor(fit * 10) / 10:g} or fewer backends"
+            if fit >= 0.1 else
+            f"--colocate: {n_servers} servers' weights and reserve alone do not fit on the GPU")
+
+
+def log_tail(path: str | os.PathLike, lines: int = 25) -> str:
+    """The last ``lines`` lines of a (server) log, for an error report; '' if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def colocate_kv_cache_bytes(opts: E2EOptions) -> int:
@@ -920,7 +1000,8 @@ def run_serve_colocated(workloads: list[Workload], opts: E2EOptions, out_dir: Pa
             if s.proc.poll() is not None:
                 s.error = (f"server exited with code {s.proc.returncode} during the "
                            f"benchmark (server log {s.log_path})")
-                log(f"[e2e] colocated server {b}: {s.error}")
+                log(f"[e2e] colocated server {b}: {s.error}; its log ends:\n"
+                    f"{log_tail(s.log_path)}")
                 for ww in workloads:
                     hard[ww.name][b].append(f"server failed: {s.error}")
                 continue

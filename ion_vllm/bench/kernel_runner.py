@@ -302,14 +302,17 @@ def prepare_ion_m128_unpacked(case: Case, rot: int, device, shared: dict) -> Pre
 
 def auto_plan_options(case: Case) -> dict:
     """What the vLLM backend plans with by default (``ION_UNPACKED_PREFILL=1``,
-    ``ION_PREFILL_TILE_M=auto``): unpacked prefill tiles, and 128-row tiles when
-    ``cute_kernels.planner.choose_tile_m`` rates the batch prefill-dominated."""
+    ``ION_PREFILL_TILE_M=auto``, ``ION_LANE_COMBINE=1``): unpacked prefill tiles, 128-row
+    tiles when ``cute_kernels.planner.choose_tile_m`` rates the batch prefill-dominated,
+    and the split-parallel combine (since the ninth session; results recorded before it
+    measured ``ion-auto`` with the row combine, i.e. today's ``ion-auto-rc``)."""
     from cute_kernels.planner import choose_tile_m
 
     tile_m = choose_tile_m(np.asarray(case.query_start_loc(), dtype=np.int32),
                            np.asarray(case.kv_lens, dtype=np.int32), num_q_heads=case.hq,
                            num_kv_heads=case.hkv, head_dim=case.d)
-    return {"unpacked_prefill": True, "tile_m": tile_m, "row_combine": True}
+    return {"unpacked_prefill": True, "tile_m": tile_m, "row_combine": True,
+            "lane_combine": True}
 
 
 def prepare_ion_auto(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -320,10 +323,19 @@ def prepare_ion_auto(case: Case, rot: int, device, shared: dict) -> Prepared:
     return prepare_ion(case, rot, device, shared, **auto_plan_options(case))
 
 
+def prepare_ion_auto_rc(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with the row-parallel combine (``CombineRowsSm90``; the backend's
+    ``ION_LANE_COMBINE=0``, its default from the fourth to the eighth session, when this
+    name meant ``ion-auto``)."""
+    return prepare_ion(case, rot, device, shared, **dict(auto_plan_options(case),
+                                                         lane_combine=False))
+
+
 def prepare_ion_auto_gc(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto`` with the group-per-CTA combine (``CombineSm90``; the backend's
-    ``ION_ROW_COMBINE=0``, its default before the fourth session)."""
+    ``ION_LANE_COMBINE=0 ION_ROW_COMBINE=0``, its default before the fourth session)."""
     return prepare_ion(case, rot, device, shared, **dict(auto_plan_options(case),
+                                                         lane_combine=False,
                                                          row_combine=False))
 
 
@@ -366,7 +378,8 @@ def prepare_ion_auto_lc(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto`` with the split-parallel combine (``lane_combine=True`` plans; the
     backend's ``ION_LANE_COMBINE=1``): lane s of a row's warp loads split s, and all of a
     row's loads are in flight at once, instead of the row combine's chain of unrolled-x4
-    loops.  Cases without splits launch no combine and run exactly ``ion-auto``."""
+    loops.  The backend's default since the ninth session, so the same as ``ion-auto``;
+    the name stays for the recorded results that use it."""
     return prepare_ion(case, rot, device, shared,
                        **dict(auto_plan_options(case), lane_combine=True))
 
@@ -392,9 +405,10 @@ def new_token_rows(case: Case, rot: int, device):
 
 
 def prepare_ion_auto_append(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto`` as one vLLM layer runs it by default: ``kv_append`` of the step's new
-    K/V rows, then the attention (both launches timed).  Compare with ``ion-auto-fused``;
-    FA3's timing holds no cache write."""
+    """``ion-auto`` as one vLLM layer runs it under ``ION_FUSED_KV_WRITEBACK=0`` (the
+    default until the eighth session): ``kv_append`` of the step's new K/V rows, then the
+    attention (both launches timed).  Compare with ``ion-auto-fused``; FA3's timing holds
+    no cache write."""
     import cute_kernels
 
     prep = prepare_ion(case, rot, device, shared, **auto_plan_options(case))
@@ -409,7 +423,8 @@ def prepare_ion_auto_append(case: Case, rot: int, device, shared: dict) -> Prepa
 
 
 def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """Fused KV writeback (the backend's ``ION_FUSED_KV_WRITEBACK=1``): one launch reads the
+    """Fused KV writeback (the backend's default ``ION_FUSED_KV_WRITEBACK=1``, i.e. what one
+    vLLM layer runs by default since the ninth session): one launch reads the
     step's new K/V from key / value, writes them into the cache and attends (a
     ``fresh_kv`` plan with ``ion-auto``'s options, 128-row tiles included)."""
     import torch
@@ -433,9 +448,7 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepar
     return Prepared(call, out)
 
 
-# "ion-auto-rc" (the row-parallel combine, ION_ROW_COMBINE=1) is the default path since the
-# fourth session, i.e. "ion-auto"; the name stays for the recorded results that use it
-PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto,
+PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
            "ion-auto-lc": prepare_ion_auto_lc,
