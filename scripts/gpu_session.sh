@@ -2,10 +2,10 @@
 # One device lease's worth of GPU evidence, run as a single background chain so that it can
 # outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
-#   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default path),
-#           ion-auto-lc (split-parallel combine), ion-auto-pdl (combine by programmatic
-#           dependent launch), ion-auto-append / ion-auto-fused (kv_append + attention
-#           against fused KV writeback, one launch), fa3
+#   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default
+#           attention), ion-auto-fused (what a layer runs by default: fused KV writeback, one
+#           launch), ion-auto-append (kv_append + attention), ion-auto-rc (the row combine
+#           instead of the split-parallel one), fa3
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
@@ -25,7 +25,7 @@
 #           then, once all are up, measure one at a time, repeats interleaved)
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
-# KBENCH_BACKENDS, COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
+# KBENCH_BACKENDS, KBENCH_TIMING (queued, or interleaved: backends alternate call by call), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
 # kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, MODEL, TINY_MODEL.
@@ -60,9 +60,10 @@ step() {  # step NAME SECONDS CMD...
 }
 
 if want kbench; then
-  kb_default=ion-auto,ion-auto-lc,ion-auto-pdl,ion-auto-append,ion-auto-fused,fa3
+  kb_default=ion-auto,ion-auto-fused,ion-auto-append,ion-auto-rc,fa3
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-$kb_default}" --out "$out/kbench"
+    --backends "${KBENCH_BACKENDS:-$kb_default}" --timing "${KBENCH_TIMING:-queued}" \
+    --out "$out/kbench"
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py

@@ -157,3 +157,14 @@ def test_table_one_speedup_column_per_ion_variant_and_serve_header():
     t2 = report.render_table({"ceilings": {}, "records": serve})
     assert "`vllm bench serve` against `vllm serve`" in t2
     assert "`vllm bench throughput`" not in t2
+
+
+def test_table_states_the_timing_method():
+    rec = lambda b, us, t: {"suite": "kernel", "case": "c", "backend": b, "status": "ok",
+                            "median_us": us, "timing": t}
+    t = report.render_table({"ceilings": {}, "records": [rec("ion-auto", 150.0, "interleaved"),
+                                                         rec("fa3", 132.0, "interleaved")]})
+    assert "Timing: interleaved (" in t
+    t = report.render_table({"ceilings": {}, "records": [rec("fa3", 132.0, "queued"),
+                                                         rec("ion-auto", 1.0, "interleaved")]})
+    assert "Timing: interleaved, queued (" in t

@@ -166,6 +166,76 @@ def test_synced_timing_syncs_each_call_and_is_recorded(fake_cuda, monkeypatch):
     assert recs[0]["status"] == "ok" and recs[0]["timing"] == "synced"
 
 
+def test_interleave_and_split_are_inverse():
+    """interleave_calls alternates backends call by call (a backend with fewer rotations
+    wraps around), and split_interleaved gives each backend back its own times in order."""
+    calls = {"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]}
+    assert kr.interleave_calls(calls) == ["a0", "b0", "c0", "a1", "b0", "c1",
+                                          "a2", "b0", "c0"]
+    ts = list(range(12))
+    assert kr.split_interleaved(ts, ["a", "b", "c"]) == {
+        "a": [0, 3, 6, 9], "b": [1, 4, 7, 10], "c": [2, 5, 8, 11]}
+
+
+def test_interleaved_timing_runs_backends_call_by_call(fake_cuda, monkeypatch):
+    """--timing interleaved: every backend of a case is prepared first, then timed in one
+    queued stream that alternates backends; each record holds its own `iters` times, says
+    which backends it was interleaved with, and keeps the FA3 cross-check. A backend that
+    cannot be prepared gets its own error record and does not stop the others."""
+    calls = []
+    _fake_backends(monkeypatch, calls)
+    order = []
+    for be in ("ion", "fa3"):
+        prep = kr.PREPARE[be]
+
+        def wrapped(case, rot, device, shared, prep=prep, be=be):
+            p = prep(case, rot, device, shared)
+            return kr.Prepared(lambda: (order.append(be), p.call())[1], p.out)
+        monkeypatch.setitem(kr.PREPARE, be, wrapped)
+    recs = kr.run_kernel_suite(CASES[:1], ["ion", "triton", "fa3"], iters=4, warmup=1,
+                               device="cpu", log=lambda *_: None, l2_bytes=L2,
+                               timing="interleaved")
+    assert [(r["backend"], r["status"]) for r in recs] == [
+        ("ion", "ok"), ("triton", "error"), ("fa3", "ok")]
+    for r in (recs[0], recs[2]):
+        assert r["timing"] == "interleaved" and r["iters"] == 4 and len(r["iter_us"]) == 4
+        assert r["interleaved_with"] == ["ion", "fa3"]
+    assert recs[0]["rel_err_vs_fa3"] < 1e-2
+    assert "kernel exploded" in recs[1]["error"]
+    # after each backend's first (preparation) call: warm-up, probe and timed calls alternate
+    timed = order[2:]
+    assert timed[-8:] == ["ion", "fa3"] * 4
+
+
+def test_interleaved_timing_falls_back_to_one_backend_at_a_time(fake_cuda, monkeypatch):
+    """A backend that breaks during the joint run: the others are timed alone ("queued"),
+    and the broken one gets an error record."""
+    _fake_backends(monkeypatch, [])
+    n = {"calls": 0}
+    prep_ion = kr.PREPARE["ion"]
+
+    def flaky(case, rot, device, shared):
+        p = prep_ion(case, rot, device, shared)
+
+        def call():
+            n["calls"] += 1
+            if n["calls"] > 3:
+                raise RuntimeError("flaky kernel")
+            return p.call()
+        return kr.Prepared(call, p.out)
+    monkeypatch.setitem(kr.PREPARE, "ion", flaky)
+    recs = kr.run_kernel_suite(CASES[:1], ["ion", "fa3"], iters=3, warmup=0, device="cpu",
+                               log=lambda *_: None, l2_bytes=L2, timing="interleaved")
+    assert [(r["backend"], r["status"]) for r in recs] == [("ion", "error"), ("fa3", "ok")]
+    assert "flaky kernel" in recs[0]["error"]
+    assert recs[1]["timing"] == "queued" and recs[1]["iters"] == 3
+
+
+def test_unknown_timing_is_refused():
+    with pytest.raises(ValueError, match="interleaved"):
+        kr.run_kernel_suite([], ["fa3"], timing="sometimes", device="cpu")
+
+
 def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
     """`ion-unpacked` runs ION on an unpacked_prefill plan; `ion` keeps the default plan."""
     seen = []

@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--warmup", type=int, default=10)
     k.add_argument("--no-ceilings", action="store_true",
                    help="skip the copy/GEMM ceiling measurement (reuse the dir's, if any)")
-    k.add_argument("--timing", choices=("queued", "synced"), default="queued",
-                   help="queued (default): calls queued behind a spacer, GPU time only; "
+    k.add_argument("--timing", choices=("queued", "synced", "interleaved"), default="queued",
+                   help="queued (default): calls queued behind a spacer, GPU time only, "
+                        "one backend after the other; interleaved: the same, with every "
+                        "backend of a case in one stream, alternating call by call, so "
+                        "that all see the same moments of the run (clock or power phases); "
                         "synced: one call per sync, includes launch latency (to compare "
                         "with per-call benchmarks)")
     k.add_argument("--device", default="cuda")

@@ -518,7 +518,40 @@ def time_calls_synced(calls: list[Callable[[], object]], iters: int,
     return out
 
 
+def interleave_calls(calls_by_backend: dict[str, list[Callable[[], object]]]
+                     ) -> list[Callable[[], object]]:
+    """One call list that alternates backends call by call: rotation ``j`` of every backend,
+    in the given backend order, then rotation ``j + 1`` (a backend with fewer rotations
+    wraps around).  ``time_calls`` over it runs backend ``i % n`` at timed call ``i``."""
+    names = list(calls_by_backend)
+    n_rot = max(len(c) for c in calls_by_backend.values())
+    return [calls_by_backend[b][j % len(calls_by_backend[b])]
+            for j in range(n_rot) for b in names]
+
+
+def split_interleaved(ts: list[float], backends: list[str]) -> dict[str, list[float]]:
+    """Per-backend times, in call order, of a ``time_calls`` run over ``interleave_calls``."""
+    n = len(backends)
+    return {b: ts[i::n] for i, b in enumerate(backends)}
+
+
+def time_interleaved(calls_by_backend: dict[str, list[Callable[[], object]]], iters: int,
+                     warmup: int) -> dict[str, list[float]]:
+    """``iters`` timed calls per backend, all queued in one stream that alternates the
+    backends call by call (``time_calls`` over ``interleave_calls``).  Every backend then
+    samples the same moments of the run: on the H200, sequential runs of 60 prefill calls
+    turned 8-14% slower part-way through, at a different call per backend, FA3 included
+    (bench/notes.md, ninth session), which biased the medians of an A/B by up to ~3%."""
+    names = list(calls_by_backend)
+    ts = time_calls(interleave_calls(calls_by_backend), iters * len(names),
+                    warmup * len(names))
+    return split_interleaved(ts, names)
+
+
 TIMERS = {"queued": time_calls, "synced": time_calls_synced}
+#: every backend of a case timed in one queued stream, alternating call by call
+INTERLEAVED = "interleaved"
+TIMINGS = (*TIMERS, INTERLEAVED)
 
 _CYCLES_PER_US: float | None = None
 
@@ -579,28 +612,22 @@ def rel_err(out, ref) -> float:
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
 
 
-def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: int,
-                     l2_bytes: int = H200_L2_BYTES,
-                     timing: str = "queued") -> tuple[dict, object]:
-    """Time one backend on one case. Returns (measurement dict, first-rotation
-    output (on device) for cross-checks). Raises BackendUnavailable / other errors."""
+def prepare_case_backend(case: Case, backend: str, device, *,
+                         l2_bytes: int = H200_L2_BYTES) -> tuple[list[Prepared], object]:
+    """Every rotation of one backend on one case, and the first rotation's output (on
+    device, cloned after one call) for the cross-checks."""
     import torch
     n_rot = rotations(case, l2_bytes)
     shared: dict = {}
-    preps = []
-    try:
-        for r in range(n_rot):
-            preps.append(PREPARE[backend](case, r, device, shared))
-        preps[0].call()
-        torch.cuda.synchronize()
-        first_out = preps[0].out.clone()
-        ts = TIMERS[timing]([p.call for p in preps], iters, warmup)
-    finally:
-        del preps
-    torch.cuda.empty_cache()
-    med = statistics.median(ts)
-    res = {
-        "median_us": med,
+    preps = [PREPARE[backend](case, r, device, shared) for r in range(n_rot)]
+    preps[0].call()
+    torch.cuda.synchronize()
+    return preps, preps[0].out.clone()
+
+
+def summarize_times(ts: list[float], n_rot: int, timing: str) -> dict:
+    return {
+        "median_us": statistics.median(ts),
         "p10_us": percentile(ts, 10),
         "p90_us": percentile(ts, 90),
         "min_us": min(ts),
@@ -614,7 +641,22 @@ def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: in
         # runs where FA3 stayed within 773-779)
         "iter_us": [round(t, 2) for t in ts],
     }
-    return res, first_out
+
+
+def run_case_backend(case: Case, backend: str, device, *, iters: int, warmup: int,
+                     l2_bytes: int = H200_L2_BYTES,
+                     timing: str = "queued") -> tuple[dict, object]:
+    """Time one backend on one case. Returns (measurement dict, first-rotation
+    output (on device) for cross-checks). Raises BackendUnavailable / other errors."""
+    import torch
+    preps, first_out = prepare_case_backend(case, backend, device, l2_bytes=l2_bytes)
+    n_rot = len(preps)
+    try:
+        ts = TIMERS[timing]([p.call for p in preps], iters, warmup)
+    finally:
+        del preps
+    torch.cuda.empty_cache()
+    return summarize_times(ts, n_rot, timing), first_out
 
 
 def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
@@ -622,8 +664,15 @@ def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
                      suite_label: str = "", log=print, on_record=None,
                      l2_bytes: int = H200_L2_BYTES, timing: str = "queued") -> list[dict]:
     """Run every (case, backend); never raises for a backend failure: the record
-    then has ``status`` "skipped" (backend unavailable) or "error"."""
+    then has ``status`` "skipped" (backend unavailable) or "error".
+
+    ``timing``: "queued" / "synced" time one backend after the other; "interleaved" prepares
+    every backend of a case, then times them in one stream alternating call by call
+    (``time_interleaved``).  If that joint run fails, each backend is timed alone
+    ("queued"), so one broken backend costs only its own record."""
     import torch
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r}: use one of {', '.join(TIMINGS)}")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -631,10 +680,56 @@ def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
     unavailable: dict[str, str] = {}
     copy_gbps = (ceilings or {}).get("copy_gbps")
     gemm_tflops = (ceilings or {}).get("gemm_tflops")
+
+    def fail(rec: dict, be: str, case: Case, e: Exception) -> None:
+        if isinstance(e, BackendUnavailable):
+            unavailable[be] = str(e)
+            rec.update(status="skipped", error=str(e))
+            log(f"[kernel] {case.name:<44} {be:<7} skipped: {e}")
+            return
+        rec.update(status="error", error=f"{type(e).__name__}: {e}",
+                   traceback=traceback.format_exc(limit=8))  # called in an except block
+        log(f"[kernel] {case.name:<44} {be:<7} ERROR {type(e).__name__}: {e}")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def finish(rec: dict, be: str, case: Case, res: dict, out, outs: dict) -> None:
+        by, fl = rec["bytes"], rec["flops"]
+        rec.update(status="ok", **res)
+        sec = res["median_us"] * 1e-6
+        rec["achieved_gbps"] = by / sec / 1e9
+        rec["achieved_tflops"] = fl / sec / 1e12
+        rec["frac_copy_bw"] = rec["achieved_gbps"] / copy_gbps if copy_gbps else None
+        rec["frac_gemm"] = rec["achieved_tflops"] / gemm_tflops if gemm_tflops else None
+        outs[be] = out
+        ref_name = "fa3" if "fa3" in outs else None
+        if ref_name and be != ref_name:
+            rec["rel_err_vs_fa3"] = rel_err(out, outs[ref_name])
+        elif be == "fa3":
+            # fa3 finished after others: back-fill their cross-check
+            for r in records:
+                if r["case"] == case.name and r["backend"] in outs and r["backend"] != "fa3":
+                    r["rel_err_vs_fa3"] = rel_err(outs[r["backend"]], out)
+                    log(f"[kernel] {case.name:<44} {r['backend']:<7} "
+                        f"rel_err vs fa3 = {r['rel_err_vs_fa3']:.2e}")
+        extra = (f"  rel_err_vs_fa3={rec['rel_err_vs_fa3']:.2e}"
+                 if "rel_err_vs_fa3" in rec else "")
+        fb = f"{rec['frac_copy_bw']:.2f}" if rec["frac_copy_bw"] is not None else "n/a"
+        fg = f"{rec['frac_gemm']:.3f}" if rec["frac_gemm"] is not None else "n/a"
+        log(f"[kernel] {case.name:<44} {be:<7} {res['median_us']:10.1f} us "
+            f"(p10 {res['p10_us']:.1f} p90 {res['p90_us']:.1f}, rot {res['rotations']})"
+            f"  {rec['achieved_gbps']:7.1f} GB/s bw={fb} gemm={fg}{extra}")
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        if on_record:
+            on_record(records)
+
     for case in cases:
         by = min_bytes(case)
         fl = flops(case)
         outs: dict[str, object] = {}
+        pending: list[tuple[str, dict]] = []
         for be in backends:
             rec = {"suite": "kernel", "case": case.name, "backend": be,
                    "bytes": by, "flops": fl, "shape": case.to_dict()}
@@ -643,51 +738,50 @@ def run_kernel_suite(cases: list[Case], backends: list[str], *, iters: int = 60,
             if be in unavailable:
                 rec.update(status="skipped", error=unavailable[be])
                 log(f"[kernel] {case.name:<44} {be:<7} skipped: {unavailable[be]}")
-                records.append(rec)
-                if on_record:
-                    on_record(records)
+                emit(rec)
+                continue
+            if timing == INTERLEAVED:
+                pending.append((be, rec))  # prepared and timed together below
                 continue
             try:
                 res, out = run_case_backend(case, be, dev, iters=iters, warmup=warmup,
                                             l2_bytes=l2_bytes, timing=timing)
-            except BackendUnavailable as e:
-                unavailable[be] = str(e)
-                rec.update(status="skipped", error=str(e))
-                log(f"[kernel] {case.name:<44} {be:<7} skipped: {e}")
             except Exception as e:  # noqa: BLE001 - one failure must not end the run
-                rec.update(status="error", error=f"{type(e).__name__}: {e}",
-                           traceback=traceback.format_exc(limit=8))
-                log(f"[kernel] {case.name:<44} {be:<7} ERROR {type(e).__name__}: {e}")
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
+                fail(rec, be, case, e)
             else:
-                rec.update(status="ok", **res)
-                sec = res["median_us"] * 1e-6
-                rec["achieved_gbps"] = by / sec / 1e9
-                rec["achieved_tflops"] = fl / sec / 1e12
-                rec["frac_copy_bw"] = rec["achieved_gbps"] / copy_gbps if copy_gbps else None
-                rec["frac_gemm"] = rec["achieved_tflops"] / gemm_tflops if gemm_tflops else None
-                outs[be] = out
-                ref_name = "fa3" if "fa3" in outs else None
-                if ref_name and be != ref_name:
-                    rec["rel_err_vs_fa3"] = rel_err(out, outs[ref_name])
-                elif be == "fa3":
-                    # fa3 finished after others: back-fill their cross-check
-                    for r in records:
-                        if r["case"] == case.name and r["backend"] in outs and r["backend"] != "fa3":
-                            r["rel_err_vs_fa3"] = rel_err(outs[r["backend"]], out)
-                            log(f"[kernel] {case.name:<44} {r['backend']:<7} "
-                                f"rel_err vs fa3 = {r['rel_err_vs_fa3']:.2e}")
-                extra = (f"  rel_err_vs_fa3={rec['rel_err_vs_fa3']:.2e}"
-                         if "rel_err_vs_fa3" in rec else "")
-                fb = f"{rec['frac_copy_bw']:.2f}" if rec["frac_copy_bw"] is not None else "n/a"
-                fg = f"{rec['frac_gemm']:.3f}" if rec["frac_gemm"] is not None else "n/a"
-                log(f"[kernel] {case.name:<44} {be:<7} {res['median_us']:10.1f} us "
-                    f"(p10 {res['p10_us']:.1f} p90 {res['p90_us']:.1f}, rot {res['rotations']})"
-                    f"  {rec['achieved_gbps']:7.1f} GB/s bw={fb} gemm={fg}{extra}")
-            records.append(rec)
-            if on_record:
-                on_record(records)
+                finish(rec, be, case, res, out, outs)
+            emit(rec)
+        if pending:
+            prepared: dict[str, tuple[list[Prepared], object]] = {}
+            for be, rec in pending:
+                try:
+                    prepared[be] = prepare_case_backend(case, be, dev, l2_bytes=l2_bytes)
+                except Exception as e:  # noqa: BLE001
+                    fail(rec, be, case, e)
+            results: dict[str, dict] = {}
+            if prepared:
+                calls = {be: [p.call for p in preps] for be, (preps, _) in prepared.items()}
+                try:
+                    ts_by = time_interleaved(calls, iters, warmup)
+                    results = {be: dict(summarize_times(ts_by[be], len(calls[be]), INTERLEAVED),
+                                        interleaved_with=list(calls))
+                               for be in calls}
+                except Exception as e:  # noqa: BLE001 - time each alone, keep the rest
+                    log(f"[kernel] {case.name:<44} interleaved timing failed "
+                        f"({type(e).__name__}: {e}); timing each backend alone")
+                    torch.cuda.synchronize()
+                    for be in calls:
+                        try:
+                            results[be] = summarize_times(time_calls(calls[be], iters, warmup),
+                                                          len(calls[be]), "queued")
+                        except Exception as e2:  # noqa: BLE001
+                            fail(dict(pending)[be], be, case, e2)
+            for be, rec in pending:
+                if be in results:
+                    finish(rec, be, case, results[be], prepared[be][1], outs)
+                emit(rec)
+            del prepared
+            torch.cuda.empty_cache()
         del outs
         torch.cuda.empty_cache()
     return records

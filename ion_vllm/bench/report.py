@@ -327,6 +327,11 @@ def render_table(summary: dict) -> str:
     if krecs:
         lines += ["## Kernel (median µs; frac = share of the copy-bandwidth / GEMM ceiling; "
                   "ION/FA3 = FA3 µs / ION µs)", ""]
+        timings = sorted({r["timing"] for r in krecs if r.get("timing")})
+        if timings:
+            lines += [f"Timing: {', '.join(timings)} (`ion-bench kernel --timing`; "
+                      "interleaved: a case's backends alternate call by call in one "
+                      "stream).", ""]
         lines += _kernel_table(krecs) + [""]
     if erecs:
         # serve-mode cases are named "<workload>-serve" (e2e.run_serve*)
