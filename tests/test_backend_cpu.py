@@ -269,12 +269,19 @@ def reference_kernels(calls):
     return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
 
 
-def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool = False, page: int = P):
+def run_impl_case(make_config, monkeypatch, fault: bool, fused: bool | None = False,
+                  page: int = P):
+    """``fused``: ION_FUSED_KV_WRITEBACK=1 (True) or 0 (False), or unset (None: the
+    default, fused)."""
     from cute_kernels.reference import make_paged_case, reference_paged_attention
 
     import ion_vllm.backend as backend_mod
 
-    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1" if fused else "0")
+    if fused is None:
+        monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
+        fused = True
+    else:
+        monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "1" if fused else "0")
     if fault:
         monkeypatch.setenv(FAULT_INJECT_ENV, "swap_kv_page")
     else:
@@ -367,7 +374,7 @@ def test_fused_kv_writeback_is_the_default(make_config, monkeypatch):
     monkeypatch.delenv(backend_mod.FUSED_KV_ENV, raising=False)
     assert IonAttentionMetadataBuilder(kv_spec(), [], make_config(),
                                        torch.device("cpu")).fresh_kv
-    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, fused=True)
+    out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, fused=None)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
