@@ -26,9 +26,11 @@ def _vid(v):
     return "-".join(str(x) for x in v)
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["group", "rows"])
+@pytest.mark.parametrize("rows", [False, True, "lanes"], ids=["group", "rows", "lanes"])
 @pytest.mark.parametrize("variant", _COMBINE_VARIANTS, ids=[_vid(v) for v in _COMBINE_VARIANTS])
 def test_pdl_combine_waits_before_any_load(variant, rows):
+    # "lanes": the backend's default combine since the ninth session, so ION_PDL_COMBINE=1
+    # launches it
     with_pdl = compile_sm90a(attention.make_combine_kernel(variant, rows=rows, pdl=True),
                              *attention.combine_fake_args(variant),
                              compile_options="--enable-tvm-ffi")
