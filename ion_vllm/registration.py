@@ -61,6 +61,10 @@ def register_backend_override() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, ION_BACKEND_QUALNAME)
 
 
+#: the name of the handler in vLLM's default logging config (vllm/logger.py)
+VLLM_HANDLER_NAME = "vllm"
+
+
 def route_logs_to_vllm() -> None:
     """Give the ``ion_vllm`` loggers vLLM's handlers and level (idempotent).
 
@@ -68,10 +72,14 @@ def route_logs_to_vllm() -> None:
     (which kernel path it chose, and every logged fallback) would be dropped, and its
     warnings printed without vLLM's format.  Records still propagate to the root logger."""
     ion, vllm_logger = logging.getLogger("ion_vllm"), logging.getLogger("vllm")
-    for h in vllm_logger.handlers:
+    # only the handler vLLM's logging config creates (named "vllm"): other handlers found on
+    # the vllm logger at that moment (a test harness's capture handlers, also on the root
+    # logger) would see every ion_vllm record twice
+    ours = [h for h in vllm_logger.handlers if h.get_name() == VLLM_HANDLER_NAME]
+    for h in ours:
         if h not in ion.handlers:
             ion.addHandler(h)
-    if vllm_logger.handlers and ion.level == logging.NOTSET:
+    if ours and ion.level == logging.NOTSET:
         ion.setLevel(vllm_logger.level)
 
 

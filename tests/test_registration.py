@@ -189,8 +189,14 @@ def test_ion_logs_reach_vllms_handler(monkeypatch):
         def emit(self, record):
             got.append(record.getMessage())
 
+    class Foreign(Keep):  # e.g. a test harness's capture handler found on the vllm logger
+        def emit(self, record):
+            got.append("foreign: " + record.getMessage())
+
+    vllm_handler = Keep()
+    vllm_handler.set_name("vllm")  # as vLLM's logging config names it
     vllm_logger, ion = logging.getLogger("vllm"), logging.getLogger("ion_vllm")
-    monkeypatch.setattr(vllm_logger, "handlers", [Keep()])
+    monkeypatch.setattr(vllm_logger, "handlers", [vllm_handler, Foreign()])
     monkeypatch.setattr(vllm_logger, "level", logging.INFO)
     monkeypatch.setattr(ion, "handlers", [])
     monkeypatch.setattr(ion, "level", logging.NOTSET)
