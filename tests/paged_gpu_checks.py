@@ -73,3 +73,82 @@ def check_out(out, ref, mask, what: str, tol: float = TOL) -> float:
     err = relative_error(out, ref, mask)
     assert err <= tol, f"{what}: rel err {err:.3e}"
     return err
+
+
+def mixed_batch_with_long_decode(rng, trial: int, page: int):
+    """``random_mixed_batch`` with ``1 + trial % 2`` long chunks, plus one decode row of
+    9k-30k tokens, so that every batch has at least one long split row."""
+    q_lens, seq_lens = random_mixed_batch(rng, n_long=1 + trial % 2, page=page)
+    q_lens.append(1)
+    seq_lens.append(int(rng.integers(9000, 30000)))
+    return q_lens, seq_lens
+
+
+def poison(plan, out) -> None:
+    """NaN into the split-KV workspace and the output before a launch: a partial read before
+    it is written, or a row written that has no work, then shows up as NaN."""
+    plan.partial_o.fill_(float("nan"))
+    plan.partial_lse.fill_(float("nan"))
+    out.fill_(float("nan"))
+
+
+def forced_split_plan(qsl_h, sl_h, *, hkv: int, group_size: int, head_dim: int,
+                      tile_m: int = 64, page: int = 64, **plan_options):
+    """``make_device_plan`` on the GPU with unpacked prefill tiles and the ``CHEAP_SPLIT``
+    cost model, so that most tiles split: the plan the combine tests compare kernels on.
+    ``plan_options``: the combine switches (``row_combine``, ``pdl_combine``,
+    ``lane_combine``) and any other ``make_device_plan`` option."""
+    from cute_kernels.attention import make_device_plan
+    from cute_kernels.planner import CostModel
+
+    return make_device_plan(qsl_h, sl_h, num_kv_heads=hkv, group_size=group_size,
+                            page_size=page, head_dim=head_dim, device="cuda",
+                            unpacked_prefill=True, tile_m=tile_m,
+                            cost_model=CostModel(head_dim=head_dim, **CHEAP_SPLIT),
+                            **plan_options)
+
+
+#: persistent grid and split-KV workspace of the plan-reuse and CUDA-graph tests (two CTAs
+#: per SM of a 132-SM H100/H200, 256 partial rows a CTA, as the vLLM backend sizes them)
+REUSE_CTAS = 264
+REUSE_PARTIAL_ROWS = 256 * REUSE_CTAS
+
+
+def forced_split_host_plan(qsl, sl, *, hkv: int, group_size: int, head_dim: int,
+                           page: int = 64, fresh_kv: bool = False):
+    """The host planner's plan of a batch with cheap splitting (``CHEAP_SPLIT``, up to 16
+    splits) on the ``REUSE_CTAS`` grid, for uploading into a ``reusable_device_plan``."""
+    from cute_kernels.planner import CostModel, plan
+
+    return plan(qsl.cpu().numpy(), sl.cpu().numpy(), num_kv_heads=hkv, group_size=group_size,
+                page_size=page, num_ctas=REUSE_CTAS, max_splits=16,
+                max_partial_rows=REUSE_PARTIAL_ROWS,
+                cost_model=CostModel(head_dim=head_dim, **CHEAP_SPLIT), fresh_kv=fresh_kv)
+
+
+def reusable_device_plan(host_plan, head_dim: int, **options):
+    """A ``DevicePlan`` with 4x the room ``host_plan`` needs that always launches the combine,
+    so later plans can be uploaded into the same buffers (as the vLLM backend does, and as a
+    captured CUDA graph needs); ``host_plan`` is uploaded."""
+    from cute_kernels.attention import DevicePlan
+
+    dp = DevicePlan(item_capacity=4 * host_plan.n_items,
+                    group_capacity=4 * host_plan.combine.shape[0],
+                    partial_rows_capacity=REUSE_PARTIAL_ROWS, num_ctas=REUSE_CTAS,
+                    head_dim=head_dim, device="cuda", always_combine=True, **options)
+    dp.upload(host_plan)
+    return dp
+
+
+def capture_graph(launch):
+    """Run ``launch()`` once (compile and load outside the capture), then capture it into a
+    CUDA graph on a side stream; returns the graph."""
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            launch()
+    torch.cuda.synchronize()
+    return graph

@@ -179,14 +179,18 @@ def test_default_layer_in_a_cuda_graph():
     and replayed: on new q / key / value / cache values, then on new lengths planned into
     the same buffers.  Every replay writes the new K/V where the reference append puts
     them, bit for bit, and matches the reference attention on the updated cache."""
-    from cute_kernels.attention import DevicePlan, ion_attention
-    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.attention import ion_attention
 
-    from paged_gpu_checks import check_out
+    from paged_gpu_checks import (
+        capture_graph,
+        check_out,
+        forced_split_host_plan,
+        poison,
+        reusable_device_plan,
+    )
 
     hq, hkv, d = 28, 4, 128
     g = hq // hkv
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT)
     q_lens, seq_lens = [1, 1, 1, 1, 300], [30000, 12000, 700, 20000, 2300]
     q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
         7, q_lens, seq_lens, hq, hkv, d, page=P, device="cuda", rng_device="cuda")
@@ -196,31 +200,18 @@ def test_default_layer_in_a_cuda_graph():
     scale = default_softmax_scale(d)
 
     def host_plan():
-        return plan(qsl.cpu().numpy(), sl.cpu().numpy(), num_kv_heads=hkv, group_size=g,
-                    page_size=P, num_ctas=264, max_splits=16, max_partial_rows=256 * 264,
-                    cost_model=cm, fresh_kv=True)
+        return forced_split_host_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P,
+                                      fresh_kv=True)
 
-    hp = host_plan()
-    dp = DevicePlan(item_capacity=4 * hp.n_items, group_capacity=4 * hp.combine.shape[0],
-                    partial_rows_capacity=256 * 264, num_ctas=264, head_dim=d, device="cuda",
-                    always_combine=True, row_combine=True, lane_combine=True)
-    dp.upload(hp)
+    dp = reusable_device_plan(host_plan(), d, row_combine=True, lane_combine=True)
     assert dp.fresh_kv and dp.lane_combine
     gen = torch.Generator(device="cuda")
     gen.manual_seed(99)
     for t in (key, value):
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32))
     out = torch.empty_like(q)
-    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key,
-                  value=value)  # compile + load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key,
-                          value=value)
-    torch.cuda.synchronize()
+    graph = capture_graph(lambda: ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale,
+                                                plan=dp, key=key, value=value))
     for step in range(4):
         gen.manual_seed(1000 + step)
         for t in (q, k_cache, v_cache, key, value):
@@ -237,9 +228,7 @@ def test_default_layer_in_a_cuda_graph():
         slots = new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q)
         reference_kv_append(key, value, ref_k, ref_v, slots)
         ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
-        dp.partial_o.fill_(float("nan"))
-        dp.partial_lse.fill_(float("nan"))
-        out.fill_(float("nan"))
+        poison(dp, out)
         graph.replay()
         torch.cuda.synchronize()
         mask = written_rows_mask(qsl, sl, total_q).to(q.device)

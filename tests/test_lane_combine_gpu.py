@@ -24,15 +24,21 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, check_out, random_mixed_batch
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    check_out,
+    forced_split_plan,
+    mixed_batch_with_long_decode,
+    poison,
+)
 
 P = 64
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d=128, dtype=torch.bfloat16, seed, tile_m=64,
          pad_rows=0, max_splits=16, min_splits=2):
-    from cute_kernels.attention import ion_attention, make_device_plan
-    from cute_kernels.planner import CostModel
+    from cute_kernels.attention import ion_attention
 
     g = hq // hkv
     q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
@@ -43,16 +49,13 @@ def _run(q_lens, seq_lens, *, hq, hkv, d=128, dtype=torch.bfloat16, seed, tile_m
     mask = written_rows_mask(qsl, sl, q.shape[0]).to(q.device)
     outs = {}
     for lanes in (True, False):
-        plan = make_device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), num_kv_heads=hkv,
-                                group_size=g, page_size=P, head_dim=d, device="cuda",
-                                unpacked_prefill=True, tile_m=tile_m, max_splits=max_splits,
-                                cost_model=CostModel(head_dim=d, **CHEAP_SPLIT),
-                                row_combine=True, lane_combine=lanes)
+        plan = forced_split_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv=hkv, group_size=g,
+                                 head_dim=d, page=P, tile_m=tile_m, max_splits=max_splits,
+                                 row_combine=True, lane_combine=lanes)
         assert plan.lane_combine is lanes
         assert plan.host.num_splits_max >= min_splits, plan.host.num_splits_max
-        out = torch.full_like(q, float("nan"))
-        plan.partial_o.fill_(float("nan"))
-        plan.partial_lse.fill_(float("nan"))
+        out = torch.empty_like(q)
+        poison(plan, out)
         ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=plan)
         torch.cuda.synchronize()
         check_out(out, ref, mask, "lane combine" if lanes else "row combine")
@@ -85,9 +88,7 @@ def test_one_chunk(max_splits):
 def test_mixed_batches(tile_m):
     rng = np.random.default_rng(300 + tile_m)
     for trial in range(4):
-        q_lens, seq_lens = random_mixed_batch(rng, n_long=1 + trial % 2, page=P)
-        q_lens.append(1)
-        seq_lens.append(int(rng.integers(9000, 30000)))
+        q_lens, seq_lens = mixed_batch_with_long_decode(rng, trial, page=P)
         _run(q_lens, seq_lens, hq=28, hkv=4, seed=trial, tile_m=tile_m, pad_rows=trial)
 
 

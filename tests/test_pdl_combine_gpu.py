@@ -23,25 +23,19 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, check_out, random_mixed_batch
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    capture_graph,
+    check_out,
+    forced_split_host_plan,
+    forced_split_plan,
+    mixed_batch_with_long_decode,
+    poison,
+    reusable_device_plan,
+)
 
 P = 64
-
-
-def _plan(qsl, sl, hkv, g, d, *, tile_m, pdl):
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", unpacked_prefill=True, tile_m=tile_m,
-                            cost_model=CostModel(head_dim=d, **CHEAP_SPLIT), row_combine=True,
-                            pdl_combine=pdl)
-
-
-def _poison(plan, out):
-    plan.partial_o.fill_(float("nan"))
-    plan.partial_lse.fill_(float("nan"))
-    out.fill_(float("nan"))
 
 
 def _same_bits(a, b, mask):
@@ -62,12 +56,13 @@ def _run(q_lens, seq_lens, *, hq, hkv, d=128, seed, tile_m=64, pad_rows=0, repea
     qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
     outs = {}
     for pdl in (False, True):
-        plan = _plan(qsl_h, sl_h, hkv, g, d, tile_m=tile_m, pdl=pdl)
+        plan = forced_split_plan(qsl_h, sl_h, hkv=hkv, group_size=g, head_dim=d, page=P,
+                                 tile_m=tile_m, row_combine=True, pdl_combine=pdl)
         assert plan.pdl_combine is pdl
         assert plan.host.num_splits_max > 1, "split-KV not exercised"
         out = torch.empty_like(q)
         for _ in range(repeats):  # back to back: each combine queued behind its attention
-            _poison(plan, out)
+            poison(plan, out)
             ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=plan)
             torch.cuda.synchronize()
             check_out(out, ref, mask, f"pdl={pdl}")
@@ -90,9 +85,7 @@ def test_long_splits_against_default_combine(heads):
 def test_mixed_batches(tile_m):
     rng = np.random.default_rng(100 + tile_m)
     for trial in range(4):
-        q_lens, seq_lens = random_mixed_batch(rng, n_long=1 + trial % 2, page=P)
-        q_lens.append(1)
-        seq_lens.append(int(rng.integers(9000, 30000)))  # at least one long split row
+        q_lens, seq_lens = mixed_batch_with_long_decode(rng, trial, page=P)
         _run(q_lens, seq_lens, hq=28, hkv=4, seed=trial, tile_m=tile_m, pad_rows=trial)
 
 
@@ -100,36 +93,22 @@ def test_mixed_batches(tile_m):
 def test_cuda_graph_capture_and_replay():
     """Captured once (always_combine), replayed on new K/V/q values and on a new plan with
     other lengths uploaded into the same buffers: every replay matches the reference."""
-    from cute_kernels.attention import DevicePlan, ion_attention
-    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.attention import ion_attention
 
     hq, hkv, d = 28, 4, 128
     g = hq // hkv
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT)
     q_lens, seq_lens = [1, 1, 1, 1, 300], [30000, 12000, 700, 20000, 2300]
     q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
         5, q_lens, seq_lens, hq, hkv, d, page=P, device="cuda", rng_device="cuda")
     scale = default_softmax_scale(d)
 
-    def host_plan(sl_now):
-        return plan(qsl.cpu().numpy(), sl_now.cpu().numpy(), num_kv_heads=hkv, group_size=g,
-                    page_size=P, num_ctas=264, max_splits=16, max_partial_rows=256 * 264,
-                    cost_model=cm)
+    def host_plan():
+        return forced_split_host_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P)
 
-    hp = host_plan(sl)
-    dp = DevicePlan(item_capacity=4 * hp.n_items, group_capacity=4 * hp.combine.shape[0],
-                    partial_rows_capacity=256 * 264, num_ctas=264, head_dim=d, device="cuda",
-                    always_combine=True, row_combine=True, pdl_combine=True)
-    dp.upload(hp)
+    dp = reusable_device_plan(host_plan(), d, row_combine=True, pdl_combine=True)
     out = torch.empty_like(q)
-    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp)  # compile + load
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp)
-    torch.cuda.synchronize()
+    graph = capture_graph(
+        lambda: ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp))
     gen = torch.Generator(device="cuda")
     for step in range(4):
         gen.manual_seed(1000 + step)
@@ -140,9 +119,9 @@ def test_cuda_graph_capture_and_replay():
                                 torch.randint(1, 30000, (4,), generator=gen, device="cuda")]
                                + [300 + step], dtype=sl.dtype)
             sl.copy_(new.to(sl.device))
-            dp.upload(host_plan(sl))
+            dp.upload(host_plan())
         assert dp.host.num_splits_max > 1
-        _poison(dp, out)
+        poison(dp, out)
         graph.replay()
         torch.cuda.synchronize()
         ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)

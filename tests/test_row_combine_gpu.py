@@ -23,18 +23,17 @@ from cute_kernels.reference import (
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL, check_out
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    TOL,
+    check_out,
+    forced_split_host_plan,
+    forced_split_plan,
+    reusable_device_plan,
+)
 
 P = 64
-
-
-def _plan(qsl, sl, hkv, g, d, *, tile_m, rows):
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", unpacked_prefill=True, tile_m=tile_m,
-                            cost_model=CostModel(head_dim=d, **CHEAP_SPLIT), row_combine=rows)
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, tile_m=64, pad_rows=0):
@@ -50,7 +49,8 @@ def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, tile_m=64, pad_rows=0):
     qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
     outs = {}
     for rows in (True, False):
-        plan = _plan(qsl_h, sl_h, hkv, g, d, tile_m=tile_m, rows=rows)
+        plan = forced_split_plan(qsl_h, sl_h, hkv=hkv, group_size=g, head_dim=d, page=P,
+                                 tile_m=tile_m, row_combine=rows)
         assert plan.row_combine is rows
         assert plan.host.num_splits_max > 1, "split-KV not exercised"
         out = torch.full_like(q, float("nan"))
@@ -105,23 +105,18 @@ def test_mixed_batches_with_split_chunks(heads, tile_m):
 def test_reused_buffers_stop_at_the_new_last_group():
     """A big split plan, then a smaller one uploaded into the same DevicePlan: the row
     combine must merge only the new groups (the stale ones were zeroed)."""
-    from cute_kernels.attention import DevicePlan, ion_attention
-    from cute_kernels.planner import CostModel, plan
+    from cute_kernels.attention import ion_attention
 
     hq, hkv, d = 28, 4, 128
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT)
     dp = None
     for q_lens, seq_lens, seed in (([1] * 8, [9000] * 8, 1), ([1, 1], [5000, 300], 2)):
         q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
             seed, q_lens, seq_lens, hq, hkv, d, page=P, device="cuda")
-        hp = plan(qsl.cpu().numpy(), sl.cpu().numpy(), num_kv_heads=hkv, group_size=7,
-                  page_size=P, num_ctas=264, max_splits=16, max_partial_rows=256 * 264,
-                  cost_model=cm)
+        hp = forced_split_host_plan(qsl, sl, hkv=hkv, group_size=7, head_dim=d, page=P)
         if dp is None:
-            dp = DevicePlan(item_capacity=4 * hp.n_items, group_capacity=4 * hp.combine.shape[0],
-                            partial_rows_capacity=256 * 264, num_ctas=264, head_dim=d,
-                            device="cuda", always_combine=True, row_combine=True)
-        dp.upload(hp)
+            dp = reusable_device_plan(hp, d, row_combine=True)
+        else:
+            dp.upload(hp)
         out = torch.full_like(q, float("nan"))
         scale = default_softmax_scale(d)
         ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp)
