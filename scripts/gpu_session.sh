@@ -24,11 +24,15 @@
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
 #           then, once all are up, measure one at a time, repeats interleaved)
 #   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
+#   agree   scripts/e2e_agreement.py on the tiny real-weight model (ION, TRITON_ATTN against
+#           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
+#           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # KBENCH_BACKENDS, KBENCH_TIMING (queued, or interleaved: backends alternate call by call), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
-# kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, MODEL, TINY_MODEL.
+# kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, AGREE_MODES (default
+# "default FULL"), AGREE_ARGS, MODEL, TINY_MODEL.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
@@ -101,5 +105,12 @@ fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \
     --out "$out/share"
+fi
+if want agree; then
+  for mode in ${AGREE_MODES:-default FULL}; do  # step names: agree-default, agree-FULL
+    extra=; [ "$mode" = default ] || extra="--ion-cudagraph-mode $mode"
+    step "agree-$mode" 420 python3 scripts/e2e_agreement.py --model "$tiny" \
+      --out "$out/agree-$mode" $extra ${AGREE_ARGS:-}
+  done
 fi
 mark all done
