@@ -17,6 +17,10 @@ packed items of the same plan (work col 8 = -1); default plans keep the default 
 Two consumer warpgroups: a plan made with ``tile_m=128`` (``DevicePlan.tile_m``) runs on the
 ``IonAttentionSm90(consumers=2)`` variant (128-row q tiles, one 384-thread CTA per SM, both
 consumer warpgroups share every K/V stage); ``tile_m=64`` plans keep the default kernels.
+
+Page pairs (an experiment): a ``tile_m=128`` plan made with ``kv_pair=True``
+(``DevicePlan.kv_pair``) runs on ``IonAttentionSm90(consumers=2, kv_pair=True)``, whose
+K/V stages hold two 64-token pages (128-key S tiles).  Not with fused KV writeback.
 """
 
 from __future__ import annotations
@@ -121,18 +125,21 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                lazy_rescale: bool = False):
+                lazy_rescale: bool = False, kv_pair: bool = False):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
     two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
-    ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results)."""
+    ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results);
+    ``kv_pair``: two pages per K/V stage (``consumers=2`` only; same arguments)."""
     from .attention_sm90 import IonAttentionSm90
 
+    if kv_pair and _check_consumers(consumers) != 2:
+        raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
-                                lazy_rescale=lazy_rescale)
+                                lazy_rescale=lazy_rescale, kv_pair=kv_pair)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -219,11 +226,11 @@ fake_args = _fake_args
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
-              lazy_rescale: bool = False):
+              lazy_rescale: bool = False, kv_pair: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale),
+        return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
@@ -280,7 +287,8 @@ class DevicePlan:
                  num_ctas: int, head_dim: int, device, always_combine: bool = False,
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
-                 pdl_combine: bool = False, lane_combine: bool = False):
+                 pdl_combine: bool = False, lane_combine: bool = False,
+                 kv_pair: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -289,6 +297,11 @@ class DevicePlan:
         #: 128 the consumers=2 variants (upload refuses a plan of the other kind)
         self.tile_m = int(tile_m)
         self.consumers = consumers_for_tile_m(self.tile_m)
+        #: run the page-pair kernels (two 64-token pages per K/V stage; an experiment)
+        self.kv_pair = bool(kv_pair)
+        if self.kv_pair and (self.consumers != 2 or self.page_size != PAGE_SIZE):
+            raise ValueError(f"kv_pair needs tile_m=128 plans over {PAGE_SIZE}-token pages, "
+                             f"got tile_m={self.tile_m}, page_size={self.page_size}")
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -384,7 +397,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      fresh_kv: bool = False, unpacked_prefill: bool = False,
                      tile_m: int = 64, cost_model=None,
                      row_combine: bool = False, lazy_rescale: bool = False,
-                     pdl_combine: bool = False, lane_combine: bool = False) -> DevicePlan:
+                     pdl_combine: bool = False, lane_combine: bool = False,
+                     kv_pair: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -401,7 +415,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``lazy_rescale=True``: the attention kernels' lazy-rescaling variants run the plan
     (``IonAttentionSm90(lazy_rescale=True)``: an experiment, exact like the default).
     ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch.
-    ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``)."""
+    ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``).
+    ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -421,7 +436,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                    lane_combine=lane_combine)
+                    lane_combine=lane_combine, kv_pair=kv_pair)
     return dp.upload(p)
 
 
@@ -550,13 +565,16 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     # a tile_m=128 plan runs on the two-consumer-warpgroup variant (128-row q tiles)
     consumers = consumers_for_tile_m(getattr(plan, "tile_m", 64))
     lazy = bool(getattr(plan, "lazy_rescale", False))
+    kv_pair = bool(getattr(plan, "kv_pair", False))
+    if fused and kv_pair:
+        raise ValueError("kv_pair plans run without fused KV writeback (no key/value)")
     if fused:
         _compiled_fused(variant, unpacked, consumers, lazy)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers, lazy)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy, kv_pair)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -572,7 +590,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                page_size: int, slot_dtype=torch.int64, fused: bool = False,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
                experimental_pages: bool = False, lazy_rescale: bool = False,
-               pdl_combine: bool = False, lane_combine: bool = False) -> None:
+               pdl_combine: bool = False, lane_combine: bool = False,
+               kv_pair: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -582,6 +601,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     attention kernels' lazy-rescaling variants (plans with ``lazy_rescale=True``).
     ``pdl_combine``: the combine kernel launched with PDL (plans with ``pdl_combine=True``).
     ``lane_combine``: the split-parallel combine kernel (plans with ``lane_combine=True``).
+    ``kv_pair``: the 128-row kernels' page-pair variants (plans with ``kv_pair=True``).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -593,6 +613,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         _compiled(variant, False, c, lz)
         if fused:
             _compiled_fused(variant, False, c, lz)
+        if kv_pair and c == 2:
+            _compiled(variant, False, c, lz, True)
+            if unpacked:
+                _compiled(variant, True, c, lz, True)
         if unpacked:
             _compiled(variant, True, c, lz)
             if fused:

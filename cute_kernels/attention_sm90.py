@@ -66,6 +66,13 @@ warpgroup ``w`` = 1, 2 consumes buffer ``2*stage + w - 1`` and the SAME K/V stag
 empty barrier counts the 4 warps of both consumers (8 arrivals).  Consumer ``w`` sees its
 half as a 64-row tile whose first token is ``(64*(w-1)) >> shift`` tokens into the item
 (mask, output rows, partial rows ``+ 64*(w-1)``), so the helpers are unchanged.
+
+Page pairs (``kv_pair=True``, consumers=2 only; with False the generated code is the kernel
+above): a K/V stage holds two consecutive pages of an item, loaded as two TMA boxes into
+its halves on the stage's one barrier, so S = Q K^T covers 128 keys (m64n128k16 wgmma) and
+the softmax reductions, O rescale and pipeline waits run once per 128 keys.  An item with
+an odd page count loads its last page into both halves; the consumer masks keys past
+``min(seq_len, p1 * P)``, which drops the copy.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ class IonAttentionSm90:
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
                  fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
-                 lazy_rescale: bool = False):
+                 lazy_rescale: bool = False, kv_pair: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -157,6 +164,30 @@ class IonAttentionSm90:
         # row sum and the split-KV lse all refer to the same (stale) max; P stays <= 2^8.
         # Compile-time: with False the generated code is unchanged.
         self.lazy_rescale = bool(lazy_rescale)
+        # page pairs (an experiment aimed at the prefill gap): one K/V stage holds two
+        # consecutive pages of an item, so S = Q K^T is a 64 x 128 tile (m64n128k16 wgmma)
+        # and the per-tile softmax row reductions, O rescale and barrier round trips are
+        # paid once per 128 keys instead of per 64.  Only on the 128-row, two-consumer
+        # kernel: it already runs one CTA per SM, and two stages of 128-key K and V
+        # (128 KiB) plus its Q stages (64 KiB) fit in one SM's shared memory, so unlike
+        # 128-token pages (bench/notes.md, v7) no second CTA is lost.  An item with an odd
+        # page count loads its last page into both halves of its last stage; the second
+        # copy's keys sit past the item's end (p1 * P) and are masked.
+        # Compile-time: with False the generated code is unchanged.
+        self.kv_pair = bool(kv_pair)
+        if self.kv_pair:
+            if consumers != 2:
+                raise ValueError("kv_pair (two pages per K/V stage) needs consumers=2 "
+                                 f"(128-row q tiles, one CTA per SM), got consumers={consumers}")
+            if self.fresh_kv:
+                raise ValueError("kv_pair is not implemented for the fused-writeback "
+                                 "(fresh_kv) kernel")
+            if page_size != 64 or kv_stages != 2:
+                raise ValueError("kv_pair pairs 64-token pages on two K/V stages, got "
+                                 f"page_size={page_size}, kv_stages={kv_stages}")
+        #: pages per K/V stage and keys per S tile
+        self.pages_per_tile = 2 if self.kv_pair else 1
+        self.kv_tile = page_size * self.pages_per_tile
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -261,9 +292,10 @@ class IonAttentionSm90:
                              stride=(1, mV.stride[2], mV.stride[1], mV.stride[0])),
         )
 
+        N = self.kv_tile  # keys of one K/V stage (= P unless kv_pair)
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (TILE_M, P))
+            cutlass.Float32, (1, 1, 1), (TILE_M, N))
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (TILE_M, D), warpgroup.OperandSource.RMEM)
@@ -271,9 +303,22 @@ class IonAttentionSm90:
         q_smem_staged = sm90_utils.make_smem_layout_a(
             utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.q_bufs)
         k_smem_staged = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.ROW_MAJOR, (TILE_M, P, D), dt, self.kv_stages)
+            utils.LayoutEnum.ROW_MAJOR, (TILE_M, N, D), dt, self.kv_stages)
         v_smem_staged = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.COL_MAJOR, (TILE_M, D, P), dt, self.kv_stages)
+            utils.LayoutEnum.COL_MAJOR, (TILE_M, D, N), dt, self.kv_stages)
+        # the smem of one page's TMA box: the whole stage, or with kv_pair half a stage;
+        # k/v_pair_smem view a stage as (page rows, d, half) / (d, page rows, half)
+        k_box_smem = cute.slice_(k_smem_staged, (None, None, 0))
+        v_box_smem = cute.slice_(v_smem_staged, (None, None, 0))
+        pair_args = {}
+        if cutlass.const_expr(self.kv_pair):
+            k_pair_smem = cute.composition(
+                k_box_smem, cute.make_layout((P, D, 2), stride=(1, N, P)))
+            v_pair_smem = cute.composition(
+                v_box_smem, cute.make_layout((D, P, 2), stride=(1, D, D * P)))
+            k_box_smem = cute.slice_(k_pair_smem, (None, None, 0))
+            v_box_smem = cute.slice_(v_pair_smem, (None, None, 0))
+            pair_args = dict(k_pair_smem=k_pair_smem, v_pair_smem=v_pair_smem)
 
         # The packed-GQA Q box: smem rows r = t * Gp + g, viewed as (Gp, TPT, D).
         q_smem_one = cute.slice_(q_smem_staged, (None, None, 0))
@@ -290,11 +335,9 @@ class IonAttentionSm90:
                 cpasync.CopyBulkTensorTileG2SOp(), q_view, q_smem_box_u, (1, TILE_M, D))
             unpacked_args = dict(tma_qu=tma_qu, mQu_tma=tma_tensor_qu, q_smem_box_u=q_smem_box_u)
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), k_view,
-            cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+            cpasync.CopyBulkTensorTileG2SOp(), k_view, k_box_smem, (P, D))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), v_view,
-            cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+            cpasync.CopyBulkTensorTileG2SOp(), v_view, v_box_smem, (D, P))
 
         fresh_args = ()
         if cutlass.const_expr(self.fresh_kv):
@@ -347,7 +390,7 @@ class IonAttentionSm90:
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
             mLsePartial, group_size, softmax_scale_log2,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
-            **unpacked_args,
+            **unpacked_args, **pair_args,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -397,6 +440,8 @@ class IonAttentionSm90:
         tma_qu: cute.CopyAtom = None,     # unpacked_prefill only: 1 head x 64 tokens Q box
         mQu_tma: cute.Tensor = None,
         q_smem_box_u: cute.ComposedLayout = None,
+        k_pair_smem: cute.ComposedLayout = None,  # kv_pair only: a stage as two page boxes
+        v_pair_smem: cute.ComposedLayout = None,
     ):
         D = self.head_dim
         P = self.page
@@ -470,11 +515,23 @@ class IonAttentionSm90:
                     cpasync.prefetch_descriptor(tma_vs)
                 gK = cute.flat_divide(mK_tma, (P, D))        # (P, D, 1, 1, Hkv, NB)
                 gV = cute.flat_divide(mV_tma, (D, P))        # (D, P, 1, 1, Hkv, NB)
+                sK_tma = sK
+                sV_tma = sV
+                if cutlass.const_expr(self.kv_pair):
+                    # (rows, d, half, stage) / (d, rows, half, stage): page boxes of a stage
+                    sK_tma = cute.make_tensor(
+                        cute.recast_ptr(sK.iterator, k_pair_smem.inner),
+                        cute.append(k_pair_smem.outer, cute.make_layout(
+                            self.kv_stages, stride=cute.cosize(k_pair_smem.outer))))
+                    sV_tma = cute.make_tensor(
+                        cute.recast_ptr(sV.iterator, v_pair_smem.inner),
+                        cute.append(v_pair_smem.outer, cute.make_layout(
+                            self.kv_stages, stride=cute.cosize(v_pair_smem.outer))))
                 tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK_tma, 0, 2),
                     cute.group_modes(gK, 0, 2))
                 tVsV, tVgV = cpasync.tma_partition(
-                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV_tma, 0, 2),
                     cute.group_modes(gV, 0, 2))
                 for it in cutlass.range(item_begin, item_end, 1, unroll=1):
                     b = mWork[it, W_REQ]
@@ -542,6 +599,29 @@ class IonAttentionSm90:
                             vp = v_prod.acquire_and_advance()
                             cute.copy(tma_v, tVgV[(None, 0, 0, h, mBlockTable[b, p])],
                                       tVsV[(None, vp.index)], tma_bar_ptr=vp.barrier)
+                    elif cutlass.const_expr(self.kv_pair):
+                        # pages p, p + 1 into the two halves of one stage (one barrier,
+                        # 2 x 2 boxes); an odd last page goes into both halves, and the
+                        # consumer masks the copy (its keys sit past p1 * P)
+                        for p in cutlass.range(p0, p1, 2, unroll=1):
+                            page_a = mBlockTable[b, p]
+                            page_b = page_a
+                            if p + 1 < p1:
+                                page_b = mBlockTable[b, p + 1]
+                            k_handle = k_prod.acquire_and_advance()
+                            cute.copy(tma_k, tKgK[(None, 0, 0, h, page_a)],
+                                      tKsK[(None, 0, k_handle.index)],
+                                      tma_bar_ptr=k_handle.barrier)
+                            cute.copy(tma_k, tKgK[(None, 0, 0, h, page_b)],
+                                      tKsK[(None, 1, k_handle.index)],
+                                      tma_bar_ptr=k_handle.barrier)
+                            v_handle = v_prod.acquire_and_advance()
+                            cute.copy(tma_v, tVgV[(None, 0, 0, h, page_a)],
+                                      tVsV[(None, 0, v_handle.index)],
+                                      tma_bar_ptr=v_handle.barrier)
+                            cute.copy(tma_v, tVgV[(None, 0, 0, h, page_b)],
+                                      tVsV[(None, 1, v_handle.index)],
+                                      tma_bar_ptr=v_handle.barrier)
                     elif cutlass.const_expr(not self.fresh_kv):
                         for p in cutlass.range(p0, p1, 1, unroll=1):
                             page = mBlockTable[b, p]
@@ -665,12 +745,13 @@ class IonAttentionSm90:
             tSrQ = qk_thr.make_fragment_A(qk_thr.partition_A(sQ))
             tSrK = qk_thr.make_fragment_B(qk_thr.partition_B(sK))
             tOrV = pv_thr.make_fragment_B(pv_thr.partition_B(sV))
-            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((TILE_M, P)))
+            NK = self.kv_tile
+            acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((TILE_M, NK)))
             acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((TILE_M, D)))
-            tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE_M, P)))
+            tScS = qk_thr.partition_C(cute.make_identity_tensor((TILE_M, NK)))
             tOcO = pv_thr.partition_C(cute.make_identity_tensor((TILE_M, D)))
             rP = cute.make_rmem_tensor(
-                pv_thr.partition_shape_A((TILE_M, P)), self.dtype)
+                pv_thr.partition_shape_A((TILE_M, NK)), self.dtype)
             rP_as_s = cute.make_tensor(rP.iterator, acc_s.layout)
             row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
             row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -735,15 +816,22 @@ class IonAttentionSm90:
                 self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
+                # kv_pair: keys past the item's last page (the copy in an odd last stage)
+                kv_lim = None
+                if cutlass.const_expr(self.kv_pair):
+                    kv_lim = cutlass.min(seq_len, p1 * P) - 1
                 if cutlass.const_expr(self.fresh_kv):
                     self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len, shift)
+                elif cutlass.const_expr(self.kv_pair):
+                    self._mask_limited(acc_s, tScS, p0 * P, pos0, kv_lim, shift)
                 else:
                     self._mask(acc_s, tScS, p0 * P, pos0, seq_len, shift)
                 self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                 rP_as_s.store(acc_s.load().to(self.dtype))
                 # steady state: S_p = Q K_p^T runs on the tensor cores while the softmax of the
                 # previous page is consumed by O += P V_{p-1}; O is rescaled once that PV is done.
-                for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
+                for p in cutlass.range(p0 + self.pages_per_tile, p1, self.pages_per_tile,
+                                       unroll=1):
                     k_handle = k_cons.wait_and_advance()
                     self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                     v_handle = v_cons.wait_and_advance()
@@ -752,6 +840,8 @@ class IonAttentionSm90:
                     k_handle.release()
                     if cutlass.const_expr(self.fresh_kv):
                         self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len, shift)
+                    elif cutlass.const_expr(self.kv_pair):
+                        self._mask_limited(acc_s, tScS, p * P, pos0, kv_lim, shift)
                     else:
                         self._mask(acc_s, tScS, p * P, pos0, seq_len, shift)
                     self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
@@ -861,6 +951,18 @@ class IonAttentionSm90:
                 kv = kv0 + tScS[e][1]
                 qpos = pos0 + self._row_token(tScS[e][0], shift)
                 if kv > cutlass.min(qpos, seq_len - 1):
+                    acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _mask_limited(self, acc_s, tScS, kv0, pos0, kv_lim, shift=None):
+        """kv_pair masking of a tile of ``kv_tile`` keys from ``kv0``: -inf where the key
+        position is past the query's (causal) or past ``kv_lim``, the item's last valid key
+        (``min(seq_len, p1 * P) - 1``; it also drops the copy an odd last stage holds)."""
+        if kv0 + self.kv_tile - 1 > cutlass.min(pos0, kv_lim):
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                kv = kv0 + tScS[e][1]
+                qpos = pos0 + self._row_token(tScS[e][0], shift)
+                if kv > cutlass.min(qpos, kv_lim):
                     acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit

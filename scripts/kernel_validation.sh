@@ -51,7 +51,7 @@ pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
      tests/test_fused_writeback_gpu.py tests/test_unpacked_prefill_gpu.py
      tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
      tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
-     tests/test_lane_combine_gpu.py"}
+     tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py"}
 checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider $pytest_files"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
@@ -75,6 +75,9 @@ checks=(
   "sweep-lanes python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --tile-m 128 --unpacked-prefill --lane-combine --force-split-every 2
      --out $out/sweep-lanes"
+  "sweep-kvpair python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --lane-combine --kv-pair --force-split-every 2
+     --out $out/sweep-kvpair"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -96,7 +99,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
     --out "$out/bench"
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
-    sweep-lazy sweep-pdl sweep-fused128 sweep-lanes bench-anchors; do
+    sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -106,7 +109,7 @@ out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
-             "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes"):
+             "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

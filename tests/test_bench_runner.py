@@ -297,6 +297,12 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     kr.PREPARE["ion-auto-lc"](mixed, 0, "cpu", {})
     assert seen == [dict(auto, tile_m=64)]
     assert "ion-auto-lc" in kr.BACKENDS
+    # ion-auto-kp: page pairs on the 128-row tiles only (a mixed step keeps ion-auto's plan)
+    seen.clear()
+    kr.PREPARE["ion-auto-kp"](prefill, 0, "cpu", {})
+    kr.PREPARE["ion-auto-kp"](mixed, 0, "cpu", {})
+    assert seen == [dict(auto, tile_m=128, kv_pair=True), dict(auto, tile_m=64, kv_pair=False)]
+    assert "ion-auto-kp" in kr.BACKENDS
 
 
 def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):

@@ -81,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="case name (repeatable; comma-separated allowed); see --list")
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
                    help="comma-separated subset of ion,ion-auto,ion-auto-rc,ion-auto-gc,"
-                        "ion-auto-p128,ion-auto-lr,ion-auto-pdl,ion-auto-lc,ion-auto-append,"
+                        "ion-auto-p128,ion-auto-lr,ion-auto-pdl,ion-auto-lc,ion-auto-kp,"
+                        "ion-auto-append,"
                         "ion-auto-fused,ion-unpacked,ion-m128,ion-m128-unpacked,"
                         "fa3,fa4,triton "
                         "(-p128: over 128-token pages, an experiment; -lr: lazy-rescaling "
                         "kernels, an experiment; -pdl: the combine by programmatic dependent "
                         "launch; -lc: the split-parallel combine, part of the default; "
+                        "-kp: two pages per K/V stage on 128-row tiles, an experiment; "
                         "-append: kv_append of the new K/V, then the attention; "
                         "-fused: fused KV writeback, one launch (what a vLLM layer runs by "
                         "default); ion: packed 64-row tiles; ion-auto: the vLLM backend's "

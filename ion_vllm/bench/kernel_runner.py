@@ -29,7 +29,7 @@ import numpy as np
 from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
-            "ion-auto-pdl", "ion-auto-lc", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
+            "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -384,6 +384,17 @@ def prepare_ion_auto_lc(case: Case, rot: int, device, shared: dict) -> Prepared:
                        **dict(auto_plan_options(case), lane_combine=True))
 
 
+def prepare_ion_auto_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with page pairs on its 128-row tiles (``kv_pair=True`` plans, kernel
+    ``IonAttentionSm90(consumers=2, kv_pair=True)``): a K/V stage holds two 64-token pages,
+    so QK^T is a 64 x 128 tile and the softmax reductions, O rescale and pipeline waits
+    run once per 128 keys.  An experiment aimed at the prefill gap (the vLLM backend does
+    not run it).  Steps that ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
+    opts = auto_plan_options(case)
+    return prepare_ion(case, rot, device, shared,
+                       **dict(opts, kv_pair=opts["tile_m"] == 128))
+
+
 def new_token_rows(case: Case, rot: int, device):
     """This step's new K/V rows ``[total_q, Hkv, D]`` (each request's last ``q_len`` logical
     tokens, request-major like q) and their ION cache slots (``page * P + offset``, int64):
@@ -451,7 +462,7 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepar
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
-           "ion-auto-lc": prepare_ion_auto_lc,
+           "ion-auto-lc": prepare_ion_auto_lc, "ion-auto-kp": prepare_ion_auto_kp,
            "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,

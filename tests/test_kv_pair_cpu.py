@@ -1,0 +1,188 @@
+"""CPU tests of page pairs (``IonAttentionSm90(consumers=2, kv_pair=True)``: a K/V stage
+holds two consecutive 64-token pages of an item, so S = Q K^T covers 128 keys).
+
+* Key coverage, on real ``tile_m=128`` plans: emulating what the kernel loads (pages
+  ``p, p + 1`` of an item into the two halves of a stage; an odd last page into both) and
+  what its mask keeps (key ``<= min(query position, min(seq_len, p1 * P) - 1)``), every
+  query row of every item sees each causal key of its page range exactly once, never the
+  duplicate half, never a key of another split.  Dropping the item-end limit from the mask
+  fails this check (the duplicate half would be counted twice).
+* sm_90a compile from fake tensors: QK^T as m64n128k16 wgmma, two K and two V TMA load
+  sites per stage, 384 threads, one CTA per SM, the 8-arrival empty barriers, no spill.
+* The consumers=2 kernels without pairs are byte-identical (PTX, ``//`` lines aside) to the
+  build before ``kv_pair`` existed (pins taken at commit 5f3ec61).
+* Refusals: pairs on the 64-row kernels, with fused writeback, on other pages; plans.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from cute_kernels.planner import CostModel, plan
+
+P = 64
+CHEAP_SPLIT_MODEL = CostModel(item_overhead_us=0.01, split_item_overhead_us=0.0,
+                              combine_launch_us=0.0)
+
+
+def _qsl(q_lens):
+    return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+
+def _seen_keys(row, seq_len, q_len, gp, *, limit_to_item=True):
+    """(token, key position) pairs the pair kernel keeps for one item: the producer's loads
+    (page table indirection replaced by the page index; an odd last page into both halves)
+    and the consumer's mask, both written as the kernel does them."""
+    b, h, t0, nt, p0, p1, s, ns, qh = row
+    tpt = 128 // gp if qh < 0 else 128
+    seen = []
+    for p in range(p0, p1, 2):
+        halves = (p, p + 1 if p + 1 < p1 else p)  # the pages the two halves hold
+        kv0 = p * P
+        lim = (min(seq_len, p1 * P) if limit_to_item else seq_len) - 1
+        for t in range(t0, t0 + nt):
+            assert t - t0 < tpt
+            qpos = seq_len - q_len + t
+            for c in range(2 * P):
+                kv = kv0 + c  # the mask's key position of column c
+                if kv > min(qpos, lim):
+                    continue
+                page = halves[c // P]
+                seen.append((t, page * P + c % P))  # the key actually in that column
+    return seen
+
+
+def _check_pairs(q_lens, seq_lens, *, hkv, g, cost_model=None, unpacked=True,
+                 limit_to_item=True):
+    p = plan(_qsl(q_lens), np.asarray(seq_lens, dtype=np.int32), num_kv_heads=hkv,
+             group_size=g, page_size=P, num_ctas=132, unpacked_prefill=unpacked, tile_m=128,
+             **({"cost_model": cost_model} if cost_model else {}))
+    gp = 1 << (g - 1).bit_length()
+    odd = 0
+    per_row = {}
+    for row in p.work.tolist():
+        b, h, t0, nt, p0, p1, s, ns, qh = row
+        odd += (p1 - p0) % 2
+        heads = [qh] if qh >= 0 else list(range(g))
+        for t, key in _seen_keys(row, seq_lens[b], q_lens[b], gp,
+                                 limit_to_item=limit_to_item):
+            for hh in heads:
+                per_row.setdefault((b, h, hh, t), []).append(key)
+    for b, (q, L) in enumerate(zip(q_lens, seq_lens)):
+        for h in range(hkv):
+            for hh in range(g):
+                for t in range(q):
+                    want = list(range(0, L - q + t + 1))
+                    got = sorted(per_row.get((b, h, hh, t), []))
+                    assert got == want, (b, h, hh, t, len(got), len(want))
+    return p, odd
+
+
+@pytest.mark.parametrize("g", [7, 8, 1])
+def test_pairs_cover_every_causal_key_once(g):
+    rng = np.random.default_rng(g)
+    for trial in range(4):
+        n = int(rng.integers(2, 6))
+        q_lens = [int(x) for x in rng.choice([1, 1, 3, 70, 129, 300], size=n)]
+        seq_lens = [q + int(rng.choice([0, 1, 37, 64, 100, 700])) for q in q_lens]
+        split = CHEAP_SPLIT_MODEL if trial % 2 else None
+        _check_pairs(q_lens, seq_lens, hkv=2, g=g, cost_model=split)
+
+
+def test_odd_page_counts_and_splits_are_exercised():
+    # decode rows of 3, 5 and 9 pages, a chunk whose context is not a page multiple, forced
+    # splits (split items with odd page counts: the duplicate-half path)
+    p, odd = _check_pairs([1, 1, 1, 100, 1], [150, 300, 560, 100 + 37, 3000], hkv=2, g=7,
+                          cost_model=CHEAP_SPLIT_MODEL)
+    assert odd > 0 and (p.work[:, 7] > 1).any()
+
+
+def test_the_item_end_limit_is_what_drops_the_duplicate():
+    with pytest.raises(AssertionError):
+        _check_pairs([1, 1], [150, 3000], hkv=1, g=7, cost_model=CHEAP_SPLIT_MODEL,
+                     limit_to_item=False)
+
+
+# --------------------------------------------------------------------------- compile
+
+cutlass = pytest.importorskip("cutlass")
+
+from cute_kernels import attention  # noqa: E402
+from cute_kernels.compile_utils import compile_sm90a  # noqa: E402
+from cute_kernels.variants import ALL_VARIANTS  # noqa: E402
+
+
+def _loads(ptx):
+    return len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::c\w+\.global", ptx))
+
+
+@pytest.mark.parametrize("unpacked", [False, True], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("vi", [1, 7, 12], ids=["bf16-64-2", "bf16-128-8", "fp16-128-1"])
+def test_pair_variant_compiles_for_sm90a(vi, unpacked):
+    from test_two_consumers_cpu import _barrier_init_counts, _check_no_spills
+
+    v = ALL_VARIANTS[vi]
+    art = compile_sm90a(attention.make_kernel(v, unpacked, consumers=2, kv_pair=True),
+                        *attention.fake_args(v, unpacked), compile_options="--enable-tvm-ffi",
+                        keep_cubin=True)
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", art.ptx))
+    # QK^T over 128 keys; PV over D columns
+    assert shapes == {"m64n128k16", f"m64n{v.head_dim}k16"}
+    assert art.has("cp.async.bulk.tensor")
+    assert art.has("setmaxnreg.inc.sync.aligned.u32 \t240;")
+    assert ".reqntid 384, 1, 1" in art.ptx and ".minnctapersm 1" in art.ptx
+    assert _barrier_init_counts(art.ptx) == [1] * 6 + [8] * 6
+    _check_no_spills(art)
+    plain = compile_sm90a(attention.make_kernel(v, unpacked, consumers=2),
+                          *attention.fake_args(v, unpacked), compile_options="--enable-tvm-ffi")
+    # one more K and one more V load site (the second page of a stage) per 64 columns of D
+    assert _loads(art.ptx) == _loads(plain.ptx) + 2 * (v.head_dim // 64)
+    assert "m64n128k16" not in plain.ptx or v.head_dim == 128
+
+
+# consumers=2 PTX at commit 5f3ec61 (before kv_pair), `//` lines and the PDL trigger dropped
+_PINNED_C2 = [
+    (1, "plain", "d289485e9409d5ab"), (1, "unpacked", "96824f6d09569c58"),
+    (7, "plain", "080067091f9dc541"), (7, "unpacked", "1399be344b6a948a"),
+    (12, "unpacked", "fb27f2d9d7c26942"), (7, "fused-unpacked", "f77e09c9bf6b89b3"),
+]
+
+
+@pytest.mark.parametrize("vi,kind,sha", _PINNED_C2, ids=[f"{a}-{b}" for a, b, _ in _PINNED_C2])
+def test_two_consumer_ptx_unchanged_by_pairs(vi, kind, sha):
+    from test_two_consumers_cpu import _ptx_sha
+
+    v = ALL_VARIANTS[vi]
+    u = "unpacked" in kind
+    if kind.startswith("fused"):
+        art = compile_sm90a(attention.make_fused_kernel(v, u, consumers=2),
+                            *attention.fused_fake_args(v, u), compile_options="--enable-tvm-ffi")
+    else:
+        art = compile_sm90a(attention.make_kernel(v, u, consumers=2), *attention.fake_args(v, u),
+                            compile_options="--enable-tvm-ffi")
+    assert _ptx_sha(art.ptx) == sha
+
+
+def test_pairs_are_refused_where_not_implemented():
+    from cute_kernels.attention_sm90 import IonAttentionSm90
+
+    with pytest.raises(ValueError, match="consumers=2"):
+        IonAttentionSm90(cutlass.BFloat16, 128, 8, kv_pair=True)
+    with pytest.raises(ValueError, match="fused"):
+        IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2, fresh_kv=True, kv_pair=True)
+    with pytest.raises(ValueError, match="page_size"):
+        IonAttentionSm90(cutlass.BFloat16, 128, 8, page_size=128, consumers=2, kv_pair=True)
+    k = IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2, kv_pair=True)
+    assert (k.kv_tile, k.pages_per_tile, k.kv_stages) == (128, 2, 2)
+    with pytest.raises(ValueError, match="consumers=2"):
+        attention.make_kernel(ALL_VARIANTS[7], kv_pair=True)
+    with pytest.raises(ValueError, match="tile_m=128"):
+        attention.DevicePlan(item_capacity=1, group_capacity=1, partial_rows_capacity=0,
+                             num_ctas=4, head_dim=128, device="cpu", kv_pair=True)
+    dp = attention.make_device_plan(np.array([0, 300], np.int32), np.array([300], np.int32),
+                                    num_kv_heads=4, group_size=7, page_size=P, head_dim=128,
+                                    device="cpu", tile_m=128, unpacked_prefill=True,
+                                    kv_pair=True)
+    assert dp.kv_pair and dp.tile_m == 128
