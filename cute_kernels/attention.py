@@ -20,7 +20,8 @@ consumer warpgroups share every K/V stage); ``tile_m=64`` plans keep the default
 
 Page pairs (an experiment): a ``tile_m=128`` plan made with ``kv_pair=True``
 (``DevicePlan.kv_pair``) runs on ``IonAttentionSm90(consumers=2, kv_pair=True)``, whose
-K/V stages hold two 64-token pages (128-key S tiles).  Not with fused KV writeback.
+K/V stages hold two 64-token pages (128-key S tiles); with ``key``/``value`` its fused
+writeback form.
 """
 
 from __future__ import annotations
@@ -153,18 +154,21 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                      lazy_rescale: bool = False):
+                      lazy_rescale: bool = False, kv_pair: bool = False):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
-    ``lazy_rescale``: of the lazy-rescaling experiment."""
+    ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
+    variant (``consumers=2`` only)."""
     from .attention_sm90 import IonAttentionSm90
 
+    if kv_pair and _check_consumers(consumers) != 2:
+        raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
-                                lazy_rescale=lazy_rescale).fused
+                                lazy_rescale=lazy_rescale, kv_pair=kv_pair).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
@@ -237,11 +241,12 @@ def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                    lazy_rescale: bool = False):
+                    lazy_rescale: bool = False, kv_pair: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale),
+        return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
+                                              kv_pair),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -566,10 +571,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     consumers = consumers_for_tile_m(getattr(plan, "tile_m", 64))
     lazy = bool(getattr(plan, "lazy_rescale", False))
     kv_pair = bool(getattr(plan, "kv_pair", False))
-    if fused and kv_pair:
-        raise ValueError("kv_pair plans run without fused KV writeback (no key/value)")
     if fused:
-        _compiled_fused(variant, unpacked, consumers, lazy)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
@@ -614,9 +617,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         if fused:
             _compiled_fused(variant, False, c, lz)
         if kv_pair and c == 2:
-            _compiled(variant, False, c, lz, True)
-            if unpacked:
-                _compiled(variant, True, c, lz, True)
+            for u in (False, True) if unpacked else (False,):
+                _compiled(variant, u, c, lz, True)
+                if fused:
+                    _compiled_fused(variant, u, c, lz, True)
         if unpacked:
             _compiled(variant, True, c, lz)
             if fused:

@@ -179,9 +179,6 @@ class IonAttentionSm90:
             if consumers != 2:
                 raise ValueError("kv_pair (two pages per K/V stage) needs consumers=2 "
                                  f"(128-row q tiles, one CTA per SM), got consumers={consumers}")
-            if self.fresh_kv:
-                raise ValueError("kv_pair is not implemented for the fused-writeback "
-                                 "(fresh_kv) kernel")
             if page_size != 64 or kv_stages != 2:
                 raise ValueError("kv_pair pairs 64-token pages on two K/V stages, got "
                                  f"page_size={page_size}, kv_stages={kv_stages}")
@@ -355,19 +352,15 @@ class IonAttentionSm90:
                                  stride=(1, mValue.stride[0], mValue.stride[1])),
             )
             tma_kf, tma_tensor_kf = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), kf_view,
-                cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+                cpasync.CopyBulkTensorTileG2SOp(), kf_view, k_box_smem, (P, D))
             tma_vf, tma_tensor_vf = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), vf_view,
-                cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+                cpasync.CopyBulkTensorTileG2SOp(), vf_view, v_box_smem, (D, P))
             # writeback: the same smem tiles stored into cache pages (row offset per store;
             # rows outside the page [0, P) are clipped by the TMA bounds of the row mode)
             tma_ks, tma_tensor_ks = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), k_view,
-                cute.slice_(k_smem_staged, (None, None, 0)), (P, D))
+                cpasync.CopyBulkTensorTileS2GOp(), k_view, k_box_smem, (P, D))
             tma_vs, tma_tensor_vs = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), v_view,
-                cute.slice_(v_smem_staged, (None, None, 0)), (D, P))
+                cpasync.CopyBulkTensorTileS2GOp(), v_view, v_box_smem, (D, P))
             fresh_args = (tma_kf, tma_tensor_kf, tma_vf, tma_tensor_vf,
                           tma_ks, tma_tensor_ks, tma_vs, tma_tensor_vs, k_view, v_view)
 
@@ -599,7 +592,7 @@ class IonAttentionSm90:
                             vp = v_prod.acquire_and_advance()
                             cute.copy(tma_v, tVgV[(None, 0, 0, h, mBlockTable[b, p])],
                                       tVsV[(None, vp.index)], tma_bar_ptr=vp.barrier)
-                    elif cutlass.const_expr(self.kv_pair):
+                    elif cutlass.const_expr(self.kv_pair and not self.fresh_kv):
                         # pages p, p + 1 into the two halves of one stage (one barrier,
                         # 2 x 2 boxes); an odd last page goes into both halves, and the
                         # consumer masks the copy (its keys sit past p1 * P)
@@ -631,6 +624,80 @@ class IonAttentionSm90:
                             v_handle = v_prod.acquire_and_advance()
                             cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
                                       tVsV[(None, v_handle.index)], tma_bar_ptr=v_handle.barrier)
+                    elif cutlass.const_expr(self.kv_pair):
+                        # fused writeback on page pairs: KV units u, u + 1 into the halves
+                        # of one stage (an odd last unit into both; the copy is masked and
+                        # never stored), each loaded and, if owned, stored as below; one
+                        # bulk-group commit per stage
+                        S = self.kv_stages
+                        q_cnt = mWork[it, W_QLEN]
+                        tok_base = mQSL[b]
+                        q_len = mQSL[b + 1] - tok_base
+                        seq_len = mSeqLens[b]
+                        ctx = seq_len - q_len
+                        n_old = (ctx + P - 1) // P
+                        for u in cutlass.range(p0, p1, 2, unroll=1):
+                            cute.arch.cp_async_bulk_wait_group(S - 1, read=True)
+                            u_b = u + 1
+                            if u_b >= p1:
+                                u_b = u
+                            k_handle = k_prod.acquire_and_advance()
+                            for half in cutlass.range_constexpr(2):
+                                unit = u if half == 0 else u_b
+                                if unit < n_old:
+                                    page = mBlockTable[b, unit]
+                                    cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
+                                              tKsK[(None, half, k_handle.index)],
+                                              tma_bar_ptr=k_handle.barrier)
+                                else:
+                                    tok = tok_base + (unit - n_old) * P
+                                    gKf = cute.flat_divide(
+                                        cute.domain_offset((tok, 0, 0), mKf_tma), (P, D))
+                                    tKsKf, tKgKf = cpasync.tma_partition(
+                                        tma_kf, 0, cute.make_layout(1),
+                                        cute.group_modes(sK_tma, 0, 2),
+                                        cute.group_modes(gKf, 0, 2))
+                                    cute.copy(tma_kf, tKgKf[(None, 0, 0, h)],
+                                              tKsKf[(None, half, k_handle.index)],
+                                              tma_bar_ptr=k_handle.barrier)
+                            v_handle = v_prod.acquire_and_advance()
+                            for half in cutlass.range_constexpr(2):
+                                unit = u if half == 0 else u_b
+                                if unit < n_old:
+                                    page = mBlockTable[b, unit]
+                                    cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
+                                              tVsV[(None, half, v_handle.index)],
+                                              tma_bar_ptr=v_handle.barrier)
+                                else:
+                                    tok = tok_base + (unit - n_old) * P
+                                    gVf = cute.flat_divide(
+                                        cute.domain_offset((0, tok, 0), mVf_tma), (D, P))
+                                    tVsVf, tVgVf = cpasync.tma_partition(
+                                        tma_vf, 0, cute.make_layout(1),
+                                        cute.group_modes(sV_tma, 0, 2),
+                                        cute.group_modes(gVf, 0, 2))
+                                    cute.copy(tma_vf, tVgVf[(None, 0, 0, h)],
+                                              tVsVf[(None, half, v_handle.index)],
+                                              tma_bar_ptr=v_handle.barrier)
+                            for half in cutlass.range_constexpr(2):
+                                unit = u if half == 0 else u_b
+                                if unit >= n_old:
+                                    kt = unit - n_old
+                                    t_own = cutlass.min(kt * P + P - 1, q_len - 1)
+                                    if cutlass.const_expr(self.unpacked):
+                                        if qh > 0:
+                                            t_own = cutlass.Int32(-1)
+                                    if cutlass.const_expr(half == 1):
+                                        if u + 1 >= p1:
+                                            t_own = cutlass.Int32(-1)  # the copy: no store
+                                    if t_own >= q_start:
+                                        if t_own < q_start + q_cnt:
+                                            self._store_fresh_half(
+                                                tma_ks, mKs_tma, tma_vs, mVs_tma, sK, sV,
+                                                sK_tma, sV_tma, mKc, mVc, k_handle, v_handle,
+                                                half, ctx + kt * P, seq_len, h, b,
+                                                mBlockTable, tidx % 32)
+                            cute.arch.cp_async_bulk_commit_group()
                     else:
                         # fused writeback (see the class docstring): old pages from the
                         # cache, fresh tile k (unit n_old + k) = new K/V rows qsl[b] + k*P ..;
@@ -820,7 +887,10 @@ class IonAttentionSm90:
                 kv_lim = None
                 if cutlass.const_expr(self.kv_pair):
                     kv_lim = cutlass.min(seq_len, p1 * P) - 1
-                if cutlass.const_expr(self.fresh_kv):
+                if cutlass.const_expr(self.fresh_kv and self.kv_pair):
+                    self._mask_unit_pair(acc_s, tScS, p0, p1, n_old, ctx, pos0, seq_len,
+                                         shift)
+                elif cutlass.const_expr(self.fresh_kv):
                     self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len, shift)
                 elif cutlass.const_expr(self.kv_pair):
                     self._mask_limited(acc_s, tScS, p0 * P, pos0, kv_lim, shift)
@@ -838,7 +908,10 @@ class IonAttentionSm90:
                     self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
-                    if cutlass.const_expr(self.fresh_kv):
+                    if cutlass.const_expr(self.fresh_kv and self.kv_pair):
+                        self._mask_unit_pair(acc_s, tScS, p, p1, n_old, ctx, pos0, seq_len,
+                                             shift)
+                    elif cutlass.const_expr(self.fresh_kv):
                         self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len, shift)
                     elif cutlass.const_expr(self.kv_pair):
                         self._mask_limited(acc_s, tScS, p * P, pos0, kv_lim, shift)
@@ -966,6 +1039,40 @@ class IonAttentionSm90:
                     acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit
+    def _unit_keys(self, u, n_old, ctx, seq_len):
+        """(first key position, last valid key position) of KV unit ``u`` (fresh_kv)."""
+        kv0 = u * self.page
+        lim = ctx - 1
+        if u >= n_old:
+            kv0 = ctx + (u - n_old) * self.page
+            lim = seq_len - 1
+        return kv0, lim
+
+    @cute.jit
+    def _mask_unit_pair(self, acc_s, tScS, u, p1, n_old, ctx, pos0, seq_len, shift=None):
+        """fresh_kv + kv_pair masking: columns ``0 .. P-1`` hold unit ``u``, columns
+        ``P .. 2P-1`` unit ``u + 1``, each masked as ``_mask_unit`` masks it; when
+        ``u + 1 >= p1`` the second half holds a copy of unit ``u`` and is masked whole."""
+        P = self.page
+        kv0a, lima = self._unit_keys(u, n_old, ctx, seq_len)
+        kv0b, limb = self._unit_keys(u + 1, n_old, ctx, seq_len)
+        if u + 1 >= p1:
+            limb = cutlass.Int32(-1)
+        reach = cutlass.max(kv0a + P - 1 - cutlass.min(pos0, lima),
+                            kv0b + P - 1 - cutlass.min(pos0, limb))
+        if reach > 0:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                col = tScS[e][1]
+                kv = kv0a + col
+                lim = lima
+                if col >= P:
+                    kv = kv0b + col - P
+                    lim = limb
+                qpos = pos0 + self._row_token(tScS[e][0], shift)
+                if kv > cutlass.min(qpos, lim):
+                    acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
     def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len, shift=None):
         """fresh_kv masking of KV unit ``u``.  Old page ``u < n_old``: key position
         ``u*P + c`` is valid iff ``< ctx`` (every query sits at >= ctx, so causality holds;
@@ -995,7 +1102,7 @@ class IonAttentionSm90:
 
     @cute.jit
     def _store_tile(self, tma_s, mS_tma, s_tile, stage, box, row_mode: cutlass.Constexpr,
-                    off, h, page):
+                    off, h, page, half=None):
         """TMA-store smem stage ``stage`` (a K or V tile) at row offset ``off >= 0`` (in mode
         ``row_mode`` of the box) of ``page``; tile rows past the page are clipped by the TMA
         bounds.  One elected thread issues it (the bulk-group state is per thread)."""
@@ -1005,8 +1112,51 @@ class IonAttentionSm90:
         ts1, tg1 = cpasync.tma_partition(
             tma_s, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
             cute.group_modes(g1, 0, 2))
-        with cute.arch.elect_one():
-            cute.copy(tma_s, ts1[(None, stage)], tg1[(None, 0, 0, h, page)])
+        if cutlass.const_expr(half is None):
+            with cute.arch.elect_one():
+                cute.copy(tma_s, ts1[(None, stage)], tg1[(None, 0, 0, h, page)])
+        else:
+            # kv_pair: s_tile is the (rows, d, half, stage) view of the page boxes
+            with cute.arch.elect_one():
+                cute.copy(tma_s, ts1[(None, half, stage)], tg1[(None, 0, 0, h, page)])
+
+    @cute.jit
+    def _store_fresh_half(self, tma_ks, mKs_tma, tma_vs, mVs_tma, sK, sV, sK_tma, sV_tma,
+                          mKc, mVc, k_handle, v_handle, half: cutlass.Constexpr, pos, seq_len,
+                          h, b, mBlockTable, lane):
+        """kv_pair + fresh_kv: store the owned fresh tile in half ``half`` of the stage
+        (new tokens at positions ``pos ..``) into the cache, as the unpaired kernel stores
+        a whole stage: wait for the stage's full barrier, TMA-store the rows of page
+        ``pos // P`` from row offset ``pos % P``, and copy the valid rows that reach into
+        the next page with plain stores."""
+        P = self.page
+        D = self.head_dim
+        S = self.kv_stages
+        pg = pos // P
+        off = pos - pg * P
+        two = cutlass.min(pos + P, seq_len) > (pg + 1) * P
+        page1 = mBlockTable[b, pg]
+        page2 = page1
+        if two:
+            page2 = mBlockTable[b, pg + 1]
+        n2 = cutlass.min(pos + P, seq_len) - (pg + 1) * P
+        r0 = half * P + P - off  # stage row of the first row that belongs to page pg + 1
+        cute.arch.mbarrier_wait(k_handle.barrier, (k_handle.count // S) % 2)
+        self._store_tile(tma_ks, mKs_tma, sK_tma, k_handle.index, (P, D), 0, off, h, page1,
+                         half)
+        if two:
+            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
+                r = i // D
+                c = i - r * D
+                mKc[r, c, h, page2] = sK[r0 + r, c, k_handle.index]
+        cute.arch.mbarrier_wait(v_handle.barrier, (v_handle.count // S) % 2)
+        self._store_tile(tma_vs, mVs_tma, sV_tma, v_handle.index, (D, P), 1, off, h, page1,
+                         half)
+        if two:
+            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
+                r = i // D
+                c = i - r * D
+                mVc[c, r, h, page2] = sV[c, r0 + r, v_handle.index]
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):

@@ -94,6 +94,11 @@ LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
 #: the GPU (``griddepcontrol.wait``) for that grid to finish: the launch latency between the
 #: two kernels hides under the attention's tail.
 PDL_COMBINE_ENV = "ION_PDL_COMBINE"
+#: ``ION_KV_PAIR`` (default 0 until measured on the H200): the 128-row q tiles of
+#: prefill-dominated steps run the page-pair kernels (``IonAttentionSm90(consumers=2,
+#: kv_pair=True)``: two 64-token pages per K/V stage, 128 x 128 S tiles), fused writeback
+#: included.  Only where 128-row tiles run (``ION_PREFILL_TILE_M=auto``).
+KV_PAIR_ENV = "ION_KV_PAIR"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
 #: the row is in flight at once), which takes precedence over ``ION_ROW_COMBINE``; 0
@@ -201,6 +206,10 @@ def pdl_combine() -> bool:
     return _switch(PDL_COMBINE_ENV, "split-KV combine by programmatic dependent launch")
 
 
+def kv_pair() -> bool:
+    return _switch(KV_PAIR_ENV, "page pairs on 128-row q tiles")
+
+
 def lane_combine() -> bool:
     return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine", default="1")
 
@@ -297,6 +306,14 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if not self.lane_combine:
             logger.info_once("ION: %s split-KV combine (%s=0)",
                              "row" if self.row_combine else "group", LANE_COMBINE_ENV)
+        #: page pairs on the 128-row kernels (an experiment; off by default)
+        self.kv_pair = kv_pair() and self.tile_m_auto
+        if kv_pair() and not self.tile_m_auto:
+            logger.warning_once("ION: %s=1 ignored: page pairs run on 128-row q tiles, and "
+                                "this configuration runs 64-row tiles only", KV_PAIR_ENV)
+        if self.kv_pair:
+            logger.info_once("ION: page pairs on 128-row q tiles (%s=1, an experiment)",
+                             KV_PAIR_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -358,7 +375,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        row_combine=self.row_combine,
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
-                       lane_combine=self.lane_combine)
+                       lane_combine=self.lane_combine, kv_pair=self.kv_pair)
 
     @staticmethod
     def _fused_kv_writeback(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
@@ -411,7 +428,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
             page_size=self.page_size, lazy_rescale=self.lazy_rescale,
-            pdl_combine=self.pdl_combine, lane_combine=self.lane_combine)
+            pdl_combine=self.pdl_combine, lane_combine=self.lane_combine,
+            kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

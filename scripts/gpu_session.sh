@@ -4,8 +4,8 @@
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default
 #           attention), ion-auto-fused (what a layer runs by default: fused KV writeback, one
-#           launch), ion-auto-append (kv_append + attention), ion-auto-kp (two pages per
-#           K/V stage on 128-row tiles, an experiment), fa3
+#           launch), ion-auto-kp / ion-auto-fused-kp (the same with two pages per K/V
+#           stage on 128-row tiles, an experiment), fa3
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
@@ -15,8 +15,8 @@
 #           /tmp/tiny): reference, tier (with block verification) and control run side by
 #           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
 #           comparison is meaningful
-#   kval    the kernel GPU tests + the fused-128-row, lane-combine and page-pair 500-case
-#           sweeps (KVAL_STEPS overrides the list)
+#   kval    the kernel GPU tests + the lane-combine and page-pair (attention, fused)
+#           500-case sweeps (KVAL_STEPS overrides the list)
 #           (CPU-compile bound; the tests took 190 s before the 128-token-page file was
 #           added); it runs while the e2e servers start up (~160 s): steps.txt and
 #           e2e.log's time stamps show whether it ended before the first e2e bench run
@@ -65,7 +65,7 @@ step() {  # step NAME SECONDS CMD...
 }
 
 if want kbench; then
-  kb_default=ion-auto,ion-auto-kp,ion-auto-fused,ion-auto-append,fa3
+  kb_default=ion-auto,ion-auto-kp,ion-auto-fused,ion-auto-fused-kp,fa3
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
     --backends "${KBENCH_BACKENDS:-$kb_default}" --timing "${KBENCH_TIMING:-queued}" \
     --out "$out/kbench"
@@ -87,7 +87,7 @@ if want preempt; then
 fi
 kval_pid=
 if want kval; then
-  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="${KVAL_STEPS:-pytest-gpu sweep-fused128 sweep-lanes sweep-kvpair}" \
+  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="${KVAL_STEPS:-pytest-gpu sweep-lanes sweep-kvpair sweep-fusedkp}" \
     step kval 450 scripts/kernel_validation.sh "$out/kval" 500 &
   kval_pid=$!
 fi

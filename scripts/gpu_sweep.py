@@ -493,7 +493,7 @@ def parse_args(argv=None):
                     help="merge split-KV partials with the split-parallel combine kernel")
     ap.add_argument("--kv-pair", action="store_true",
                     help="the page-pair kernel variants (two pages per K/V stage; needs "
-                         "--tile-m 128 and the append path)")
+                         "--tile-m 128)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")

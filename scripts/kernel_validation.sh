@@ -78,6 +78,9 @@ checks=(
   "sweep-kvpair python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --tile-m 128 --unpacked-prefill --lane-combine --kv-pair --force-split-every 2
      --out $out/sweep-kvpair"
+  "sweep-fusedkp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-pair --force-split-every 2
+     --out $out/sweep-fusedkp"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -99,7 +102,8 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
     --out "$out/bench"
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
-    sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair bench-anchors; do
+    sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
+    bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -109,7 +113,8 @@ out = sys.argv[1]
 lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).read().rstrip(),
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
-             "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair"):
+             "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
+             "sweep-fusedkp"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -662,6 +662,36 @@ def test_plan_switches(cpu_platform, tmp_path, monkeypatch, env, attr, default, 
         getattr(backend_mod, attr)()
 
 
+def test_kv_pair_switch(cpu_platform, tmp_path, monkeypatch):
+    """ION_KV_PAIR=1 gives the builder's 128-row plans (prefill-dominated steps) the page-pair
+    kernels, fused writeback included; its 64-row plans never; unset or 0, no plan has them.
+    Where 128-row tiles do not run (ION_PREFILL_TILE_M=64) the switch is ignored."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = _gqa7_config(tmp_path)
+    bt = torch.arange(2 * 32, dtype=torch.int32).reshape(2, 32)
+    for name in (backend_mod.PREFILL_TILE_M_ENV, backend_mod.UNPACKED_PREFILL_ENV,
+                 backend_mod.FUSED_KV_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for value, on in ((None, False), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv(backend_mod.KV_PAIR_ENV, raising=False)
+        else:
+            monkeypatch.setenv(backend_mod.KV_PAIR_ENV, value)
+        b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+        assert b.tile_m_auto and b.kv_pair is on
+        assert b.plan128.kv_pair is on and not b.plan.kv_pair
+        md = b.build(0, common_metadata([2048], [2048], bt[:1]))
+        assert md.plan is b.plan128 and md.plan.kv_pair is on
+        assert not b.build(0, common_metadata([1, 1], [300, 9], bt)).plan.kv_pair
+    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "64")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.kv_pair and b.plan128 is None
+    monkeypatch.setenv(backend_mod.KV_PAIR_ENV, "two")
+    with pytest.raises(ValueError, match="ION_KV_PAIR"):
+        backend_mod.kv_pair()
+
+
 def test_lane_combine_takes_precedence(cpu_platform, tmp_path, monkeypatch):
     """By default the plans launch the split-parallel combine, although the row combine is
     on by default too; ION_LANE_COMBINE=0 gives the row combine back."""

@@ -373,3 +373,11 @@ def test_append_and_fused_backends(monkeypatch):
     assert calls == [("attn", ["key", "plan", "value"])]
     assert plans[-1] == dict(kr.auto_plan_options(case), fresh_kv=True)
     assert "fresh_kv" not in plans[0]
+    # ion-auto-fused-kp: the same, with page pairs where the plan has 128-row tiles
+    prefill = Case("p", q_lens=(300,), kv_lens=(300,), hq=4, hkv=2, d=64)
+    for c, pair in ((case, False), (prefill, True)):
+        calls.clear()
+        kr.PREPARE["ion-auto-fused-kp"](c, 0, "cpu", {}).call()
+        assert calls == [("attn", ["key", "plan", "value"])]
+        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, kv_pair=pair)
+        assert plans[-1]["tile_m"] == (128 if pair else 64)

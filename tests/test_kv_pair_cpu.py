@@ -11,7 +11,12 @@ holds two consecutive 64-token pages of an item, so S = Q K^T covers 128 keys).
   sites per stage, 384 threads, one CTA per SM, the 8-arrival empty barriers, no spill.
 * The consumers=2 kernels without pairs are byte-identical (PTX, ``//`` lines aside) to the
   build before ``kv_pair`` existed (pins taken at commit 5f3ec61).
-* Refusals: pairs on the 64-row kernels, with fused writeback, on other pages; plans.
+* Fused writeback on pairs (``fresh_kv=True`` plans count KV *units*: cache pages, then
+  fresh tiles of the step's new K/V at positions ``ctx + k * P``): the same emulation with
+  the kernel's per-half unit mask sees each causal key once, and the stores the producer
+  issues (owned fresh tiles, never the copy in an odd last stage) write every fresh tile
+  of every (request, KV head) exactly once.
+* Refusals: pairs on the 64-row kernels and on other pages; plans.
 """
 from __future__ import annotations
 
@@ -80,6 +85,77 @@ def _check_pairs(q_lens, seq_lens, *, hkv, g, cost_model=None, unpacked=True,
     return p, odd
 
 
+def _unit_keys(u, n_old, ctx, seq_len):
+    """(first key position, last valid key position) of KV unit u, as the kernel's."""
+    if u < n_old:
+        return u * P, ctx - 1
+    return ctx + (u - n_old) * P, seq_len - 1
+
+
+def _check_fused_pairs(q_lens, seq_lens, *, hkv, g, cost_model=None):
+    from cute_kernels.planner import fresh_tile_owned
+
+    p = plan(_qsl(q_lens), np.asarray(seq_lens, dtype=np.int32), num_kv_heads=hkv,
+             group_size=g, page_size=P, num_ctas=132, unpacked_prefill=True, tile_m=128,
+             fresh_kv=True, **({"cost_model": cost_model} if cost_model else {}))
+    per_row, stores = {}, {}
+    odd = 0
+    for i, row in enumerate(p.work.tolist()):
+        b, h, t0, nt, p0, p1, s, ns, qh = row
+        q, L = q_lens[b], seq_lens[b]
+        ctx = L - q
+        n_old = (ctx + P - 1) // P
+        odd += (p1 - p0) % 2
+        heads = [qh] if qh >= 0 else list(range(g))
+        for u in range(p0, p1, 2):
+            units = (u, u + 1 if u + 1 < p1 else u)
+            ka, la = _unit_keys(u, n_old, ctx, L)
+            kb, lb = _unit_keys(u + 1, n_old, ctx, L)
+            if u + 1 >= p1:
+                lb = -1
+            for t in range(t0, t0 + nt):
+                qpos = ctx + t
+                for c in range(2 * P):
+                    kv, lim = (ka + c, la) if c < P else (kb + c - P, lb)
+                    if kv > min(qpos, lim):
+                        continue
+                    unit = units[c // P]  # what the half holds
+                    k0, _ = _unit_keys(unit, n_old, ctx, L)
+                    for hh in heads:
+                        per_row.setdefault((b, h, hh, t), []).append(k0 + c % P)
+            # the producer's stores: an owned fresh unit, never the copy of an odd last unit
+            for half, unit in enumerate(units):
+                if unit < n_old or (half == 1 and u + 1 >= p1):
+                    continue
+                kt = unit - n_old
+                if fresh_tile_owned(t0, nt, q, kt, P, qh):
+                    stores.setdefault((b, h, kt), []).append(i)
+    for b, (q, L) in enumerate(zip(q_lens, seq_lens)):
+        ctx = L - q
+        for h in range(hkv):
+            for kt in range((q + P - 1) // P):
+                assert len(stores.get((b, h, kt), [])) == 1, (b, h, kt, stores.get((b, h, kt)))
+            for hh in range(g):
+                for t in range(q):
+                    got = sorted(per_row.get((b, h, hh, t), []))
+                    assert got == list(range(0, ctx + t + 1)), (b, h, hh, t)
+    assert sum(len(v) for v in stores.values()) == len(stores)
+    return p, odd
+
+
+def test_fused_pairs_cover_keys_and_store_every_fresh_tile_once():
+    rng = np.random.default_rng(5)
+    odd_total = 0
+    for trial in range(6):
+        n = int(rng.integers(2, 6))
+        q_lens = [int(x) for x in rng.choice([1, 1, 3, 70, 129, 300], size=n)]
+        seq_lens = [q + int(rng.choice([0, 1, 37, 64, 100, 700])) for q in q_lens]
+        _, odd = _check_fused_pairs(q_lens, seq_lens, hkv=2, g=7,
+                                    cost_model=CHEAP_SPLIT_MODEL if trial % 2 else None)
+        odd_total += odd
+    assert odd_total > 0
+
+
 @pytest.mark.parametrize("g", [7, 8, 1])
 def test_pairs_cover_every_causal_key_once(g):
     rng = np.random.default_rng(g)
@@ -142,6 +218,28 @@ def test_pair_variant_compiles_for_sm90a(vi, unpacked):
     assert "m64n128k16" not in plain.ptx or v.head_dim == 128
 
 
+@pytest.mark.parametrize("vi", [1, 7, 12], ids=["bf16-64-2", "bf16-128-8", "fp16-128-1"])
+def test_fused_pair_variant_compiles_for_sm90a(vi):
+    from test_two_consumers_cpu import _barrier_init_counts, _check_no_spills
+
+    v = ALL_VARIANTS[vi]
+    art = compile_sm90a(attention.make_fused_kernel(v, True, consumers=2, kv_pair=True),
+                        *attention.fused_fake_args(v, True), compile_options="--enable-tvm-ffi",
+                        keep_cubin=True)
+    assert "m64n128k16" in art.ptx
+    assert art.has("setmaxnreg.dec.sync.aligned.u32 \t40;")
+    assert art.has("setmaxnreg.inc.sync.aligned.u32 \t232;")
+    assert _barrier_init_counts(art.ptx) == [1] * 6 + [8] * 6
+    _check_no_spills(art)
+    plain = compile_sm90a(attention.make_fused_kernel(v, True, consumers=2),
+                          *attention.fused_fake_args(v, True), compile_options="--enable-tvm-ffi")
+    # each K/V load site (cache page, fresh tile) and each writeback store site once per half
+    stores = r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta"
+    assert len(re.findall(stores, art.ptx)) == 2 * len(re.findall(stores, plain.ptx))
+    assert _loads(art.ptx) > _loads(plain.ptx)
+    assert art.count(r"st\.global\.b16") >= 2, "straddle rows by plain stores"
+
+
 # consumers=2 PTX at commit 5f3ec61 (before kv_pair), `//` lines and the PDL trigger dropped
 _PINNED_C2 = [
     (1, "plain", "d289485e9409d5ab"), (1, "unpacked", "96824f6d09569c58"),
@@ -170,14 +268,16 @@ def test_pairs_are_refused_where_not_implemented():
 
     with pytest.raises(ValueError, match="consumers=2"):
         IonAttentionSm90(cutlass.BFloat16, 128, 8, kv_pair=True)
-    with pytest.raises(ValueError, match="fused"):
-        IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2, fresh_kv=True, kv_pair=True)
+    with pytest.raises(ValueError, match="consumers=2"):
+        IonAttentionSm90(cutlass.BFloat16, 128, 8, fresh_kv=True, kv_pair=True)
     with pytest.raises(ValueError, match="page_size"):
         IonAttentionSm90(cutlass.BFloat16, 128, 8, page_size=128, consumers=2, kv_pair=True)
     k = IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2, kv_pair=True)
     assert (k.kv_tile, k.pages_per_tile, k.kv_stages) == (128, 2, 2)
     with pytest.raises(ValueError, match="consumers=2"):
         attention.make_kernel(ALL_VARIANTS[7], kv_pair=True)
+    with pytest.raises(ValueError, match="consumers=2"):
+        attention.make_fused_kernel(ALL_VARIANTS[7], kv_pair=True)
     with pytest.raises(ValueError, match="tile_m=128"):
         attention.DevicePlan(item_capacity=1, group_capacity=1, partial_rows_capacity=0,
                              num_ctas=4, head_dim=128, device="cpu", kv_pair=True)

@@ -8,7 +8,10 @@ NaN) against the fp32 reference, and against the same batch through the pair-les
 ``tile_m=128`` plan: mixed batches (decode rows, chunks whose context is not a page
 multiple, rows with 0 new tokens, padded rows), G = 7, 8 and 1, D 64/128, bf16/fp16;
 forced split-KV with odd page counts per split (the duplicate-half path inside splits);
-unpacked prefill tiles; the anchor prefill shape, shortened.
+unpacked prefill tiles; the anchor prefill shape, shortened.  Fused writeback on pairs
+(``key``/``value`` given): the output as above and the cache bit-equal to the reference
+append at every position < seq_len, with prefill chunks whose context is not a page
+multiple (fresh tiles straddling two pages, in either half of a stage).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import torch
 from cute_kernels.reference import (
     default_softmax_scale,
     make_paged_case,
+    new_token_slot_mapping,
+    reference_kv_append,
     reference_paged_attention,
     relative_error,
     written_rows_mask,
@@ -30,14 +35,16 @@ from paged_gpu_checks import check_out as _check_out
 P = 64
 
 
-def _device_plan(qsl, sl, hkv, g, d, *, kv_pair, force_split=False, unpacked=True):
+def _device_plan(qsl, sl, hkv, g, d, *, kv_pair, force_split=False, unpacked=True,
+                 fresh_kv=False):
     from cute_kernels.attention import make_device_plan
     from cute_kernels.planner import CostModel
 
     cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
     return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
                             device="cuda", unpacked_prefill=unpacked, tile_m=128,
-                            cost_model=cm, lane_combine=True, kv_pair=kv_pair)
+                            cost_model=cm, lane_combine=True, kv_pair=kv_pair,
+                            fresh_kv=fresh_kv)
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
@@ -108,3 +115,47 @@ def test_kv_pair_long_prefill_g7():
     # the anchor shape (28 q / 4 KV heads, d 128), shortened; an odd-page decode row beside
     p = _run([2048, 1], [2148, 500], hq=28, hkv=4, d=128, dtype=torch.bfloat16, seed=3)
     assert (p.host.work[:, 8] >= 0).any(), "no unpacked prefill item"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("force_split", [False, True], ids=["plain", "split"])
+@pytest.mark.parametrize("unpacked", [False, True], ids=["packed", "unpacked"])
+def test_kv_pair_fused_writeback(unpacked, force_split):
+    from cute_kernels.attention import ion_attention
+
+    hq, hkv, d, dtype = 28, 4, 128, torch.bfloat16
+    g = hq // hkv
+    # contexts 37, 0, 1 and 70 (fresh tiles straddle pages), 3-page decode rows, a row with
+    # 0 new tokens, a chunk of 3 fresh tiles (odd: the last stage holds a copy)
+    q_lens = [1, 256, 0, 192, 3, 64, 130, 1]
+    seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1, 130 + 70, 150]
+    case = make_paged_case(21 + unpacked + 2 * force_split, q_lens, seq_lens, hq, hkv, d,
+                           page=P, dtype=dtype, device="cuda", pad_rows=2)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    total_q = q.shape[0]
+    gen = torch.Generator().manual_seed(22 + unpacked + 2 * force_split)
+    key = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    value = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    scale = default_softmax_scale(d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, ref_k, ref_v,
+                        new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q))
+    ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+    mask = written_rows_mask(qsl, sl, total_q)
+    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, kv_pair=True,
+                      unpacked=unpacked, fresh_kv=True, force_split=force_split)
+    assert dp.kv_pair and dp.fresh_kv
+    w = dp.host.work
+    assert ((w[:, 5] - w[:, 4]) % 2 == 1).any(), "no odd unit count"
+    if force_split:
+        assert (w[:, 7] > 1).any(), "split-KV not exercised"
+    out = torch.full_like(q, float("nan"))
+    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key, value=value)
+    torch.cuda.synchronize()
+    _check_out(out, ref, mask, "fused, kv_pair")
+    bt_h = bt.cpu()
+    for b, L in enumerate(seq_lens):
+        for pos in range(L):
+            blk, row = int(bt_h[b, pos // P]), pos % P
+            assert torch.equal(k_cache[blk, :, row], ref_k[blk, :, row]), (b, pos)
+            assert torch.equal(v_cache[blk, :, row], ref_v[blk, :, row]), (b, pos)

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
                    help="comma-separated subset of ion,ion-auto,ion-auto-rc,ion-auto-gc,"
                         "ion-auto-p128,ion-auto-lr,ion-auto-pdl,ion-auto-lc,ion-auto-kp,"
-                        "ion-auto-append,"
+                        "ion-auto-append,ion-auto-fused-kp,"
                         "ion-auto-fused,ion-unpacked,ion-m128,ion-m128-unpacked,"
                         "fa3,fa4,triton "
                         "(-p128: over 128-token pages, an experiment; -lr: lazy-rescaling "

@@ -79,6 +79,9 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+p128": {"ION_EXPERIMENTAL_PAGE": "128"},
     # lazy-rescaling attention kernels: the e2e side of ion-auto-lr
     "ION+lazy": {"ION_LAZY_RESCALE": "1"},
+    # page pairs on the 128-row q tiles of prefill-dominated steps: the e2e side of
+    # ion-auto-kp / ion-auto-fused-kp
+    "ION+kp": {"ION_KV_PAIR": "1"},
     # split-KV combine by programmatic dependent launch: the e2e side of ion-auto-pdl
     "ION+pdl": {"ION_PDL_COMBINE": "1"},
     # kv_append + attention instead of fused writeback: the e2e side of ion-auto-append

@@ -29,7 +29,8 @@ import numpy as np
 from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
-            "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused", "ion-unpacked",
+            "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
+            "ion-auto-fused-kp", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -433,7 +434,8 @@ def prepare_ion_auto_append(case: Case, rot: int, device, shared: dict) -> Prepa
     return Prepared(call, prep.out)
 
 
-def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepared:
+def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict,
+                           **extra_plan_options) -> Prepared:
     """Fused KV writeback (the backend's default ``ION_FUSED_KV_WRITEBACK=1``, i.e. what one
     vLLM layer runs by default since the ninth session): one launch reads the
     step's new K/V from key / value, writes them into the cache and attends (a
@@ -444,7 +446,8 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepar
     except Exception as e:  # noqa: BLE001
         raise BackendUnavailable(f"cute_kernels import failed: {e!r}") from e
     if "ion_plan" not in shared:
-        shared["ion_plan"] = _ion_plan(case, device, fresh_kv=True, **auto_plan_options(case))
+        shared["ion_plan"] = _ion_plan(case, device, fresh_kv=True,
+                                       **dict(auto_plan_options(case), **extra_plan_options))
     plan = shared["ion_plan"]
     q, k, v, bt = ion_cache(case, rot, device)
     qsl, seq_lens = _common_meta(case, device)
@@ -459,11 +462,19 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict) -> Prepar
     return Prepared(call, out)
 
 
+def prepare_ion_auto_fused_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` with page pairs on its 128-row tiles (``kv_pair=True`` fresh_kv
+    plans): the default layer's one launch with 128-key S tiles.  An experiment."""
+    tile_m = auto_plan_options(case)["tile_m"]
+    return prepare_ion_auto_fused(case, rot, device, shared, kv_pair=tile_m == 128)
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
            "ion-auto-lc": prepare_ion_auto_lc, "ion-auto-kp": prepare_ion_auto_kp,
            "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
+           "ion-auto-fused-kp": prepare_ion_auto_fused_kp,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
