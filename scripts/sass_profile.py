@@ -73,7 +73,8 @@ def runs(sass: str) -> tuple[str, dict[str, int]]:
     return " ".join(out), totals
 
 
-def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool) -> str:
+def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool,
+                  kv_pair: bool = False, fused: bool = False) -> str:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
@@ -82,8 +83,13 @@ def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool
 
     v = ALL_VARIANTS[variant_index]
     d = tempfile.mkdtemp(prefix="ion_sass_")
-    cute.compile(attention.make_kernel(v, unpacked, consumers, lazy),
-                 *attention.fake_args(v, unpacked),
+    if fused:
+        kernel = attention.make_fused_kernel(v, unpacked, consumers, lazy, kv_pair)
+        args = attention.fused_fake_args(v, unpacked)
+    else:
+        kernel = attention.make_kernel(v, unpacked, consumers, lazy, kv_pair)
+        args = attention.fake_args(v, unpacked)
+    cute.compile(kernel, *args,
                  options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-cubin --dump-dir {d}")
     cubins = glob.glob(os.path.join(d, "**", "*.cubin"), recursive=True)
     if not cubins:
@@ -97,12 +103,15 @@ def main(argv=None) -> int:
     ap.add_argument("--unpacked", action="store_true")
     ap.add_argument("--consumers", type=int, default=1, choices=(1, 2))
     ap.add_argument("--lazy-rescale", action="store_true")
+    ap.add_argument("--kv-pair", action="store_true", help="page pairs (needs --consumers 2)")
+    ap.add_argument("--fused", action="store_true", help="the fused-writeback kernel")
     args = ap.parse_args(argv)
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("sass_profile: nvdisasm not found", file=sys.stderr)
         return 2
-    cubin = compile_cubin(args.variant, args.unpacked, args.consumers, args.lazy_rescale)
+    cubin = compile_cubin(args.variant, args.unpacked, args.consumers, args.lazy_rescale,
+                          args.kv_pair, args.fused)
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
     order, totals = runs(sass)

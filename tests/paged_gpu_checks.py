@@ -127,13 +127,15 @@ def forced_split_host_plan(qsl, sl, *, hkv: int, group_size: int, head_dim: int,
 
 
 def reusable_device_plan(host_plan, head_dim: int, **options):
-    """A ``DevicePlan`` with 4x the room ``host_plan`` needs that always launches the combine,
+    """A ``DevicePlan`` with 4x the items ``host_plan`` needs that always launches the combine,
     so later plans can be uploaded into the same buffers (as the vLLM backend does, and as a
-    captured CUDA graph needs); ``host_plan`` is uploaded."""
+    captured CUDA graph needs); ``host_plan`` is uploaded.  Split groups get as much room as
+    items (a group holds at least one item): shorter rows can split into more groups than
+    the first plan had (seen on the H200: 12 groups, then 164)."""
     from cute_kernels.attention import DevicePlan
 
     dp = DevicePlan(item_capacity=4 * host_plan.n_items,
-                    group_capacity=4 * host_plan.combine.shape[0],
+                    group_capacity=4 * host_plan.n_items,
                     partial_rows_capacity=REUSE_PARTIAL_ROWS, num_ctas=REUSE_CTAS,
                     head_dim=head_dim, device="cuda", always_combine=True, **options)
     dp.upload(host_plan)
