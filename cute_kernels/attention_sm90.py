@@ -172,7 +172,9 @@ class IonAttentionSm90:
         # (128 KiB) plus its Q stages (64 KiB) fit in one SM's shared memory, so unlike
         # 128-token pages (bench/notes.md, v7) no second CTA is lost.  An item with an odd
         # page count loads its last page into both halves of its last stage; the second
-        # copy's keys sit past the item's end (p1 * P) and are masked.
+        # copy's keys sit past the item's end (p1 * P) and are masked.  Measured on the H200
+        # (2026-12-02, bench/notes.md v13): correct, but at full clock 2.5% slower than
+        # 64-key tiles on prefill, and 22% slower with fused writeback.
         # Compile-time: with False the generated code is unchanged.
         self.kv_pair = bool(kv_pair)
         if self.kv_pair:

@@ -94,10 +94,13 @@ LAZY_RESCALE_ENV = "ION_LAZY_RESCALE"
 #: the GPU (``griddepcontrol.wait``) for that grid to finish: the launch latency between the
 #: two kernels hides under the attention's tail.
 PDL_COMBINE_ENV = "ION_PDL_COMBINE"
-#: ``ION_KV_PAIR`` (default 0 until measured on the H200): the 128-row q tiles of
-#: prefill-dominated steps run the page-pair kernels (``IonAttentionSm90(consumers=2,
-#: kv_pair=True)``: two 64-token pages per K/V stage, 128 x 128 S tiles), fused writeback
-#: included.  Only where 128-row tiles run (``ION_PREFILL_TILE_M=auto``).
+#: ``ION_KV_PAIR`` (default 0, an experiment): the 128-row q tiles of prefill-dominated
+#: steps run the page-pair kernels (``IonAttentionSm90(consumers=2, kv_pair=True)``: two
+#: 64-token pages per K/V stage, 128 x 128 S tiles), fused writeback included.  Only where
+#: 128-row tiles run (``ION_PREFILL_TILE_M=auto``).  Correct on the H200 (GPU tests,
+#: 500/500 sweep cases each for the attention and the fused form) but slower there on
+#: 2026-12-02: prefill 8192 at full clock 804 -> 825 us (attention), 791 -> 962 us
+#: (fused layer) (bench/notes.md, v13 measured), so it stays off.
 KV_PAIR_ENV = "ION_KV_PAIR"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of

@@ -389,8 +389,9 @@ def prepare_ion_auto_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto`` with page pairs on its 128-row tiles (``kv_pair=True`` plans, kernel
     ``IonAttentionSm90(consumers=2, kv_pair=True)``): a K/V stage holds two 64-token pages,
     so QK^T is a 64 x 128 tile and the softmax reductions, O rescale and pipeline waits
-    run once per 128 keys.  An experiment aimed at the prefill gap (the vLLM backend does
-    not run it).  Steps that ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
+    run once per 128 keys.  An experiment aimed at the prefill gap (the vLLM backend runs
+    it only under ``ION_KV_PAIR=1``; 2.5% slower on prefill at full clock on the H200).
+    Steps that ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
     opts = auto_plan_options(case)
     return prepare_ion(case, rot, device, shared,
                        **dict(opts, kv_pair=opts["tile_m"] == 128))
@@ -464,7 +465,8 @@ def prepare_ion_auto_fused(case: Case, rot: int, device, shared: dict,
 
 def prepare_ion_auto_fused_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto-fused`` with page pairs on its 128-row tiles (``kv_pair=True`` fresh_kv
-    plans): the default layer's one launch with 128-key S tiles.  An experiment."""
+    plans): the default layer's one launch with 128-key S tiles.  An experiment (22%
+    slower on prefill than ``ion-auto-fused`` on the H200)."""
     tile_m = auto_plan_options(case)["tile_m"]
     return prepare_ion_auto_fused(case, rot, device, shared, kv_pair=tile_m == 128)
 
