@@ -613,17 +613,11 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
     lz = bool(lazy_rescale)
     for c in sorted(set(_check_consumers(c) for c in kinds)):
-        _compiled(variant, False, c, lz)
-        if fused:
-            _compiled_fused(variant, False, c, lz)
-        if kv_pair and c == 2:
-            for u in (False, True) if unpacked else (False,):
-                _compiled(variant, u, c, lz, True)
-                if fused:
-                    _compiled_fused(variant, u, c, lz, True)
-        if unpacked:
-            _compiled(variant, True, c, lz)
+        # with kv_pair every 128-row plan runs the page-pair kernels, so only those
+        pair = bool(kv_pair) and c == 2
+        for u in (False, True) if unpacked else (False,):
+            _compiled(variant, u, c, lz, pair)
             if fused:
-                _compiled_fused(variant, True, c, lz)
+                _compiled_fused(variant, u, c, lz, pair)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -286,3 +286,26 @@ def test_pairs_are_refused_where_not_implemented():
                                     device="cpu", tile_m=128, unpacked_prefill=True,
                                     kv_pair=True)
     assert dp.kv_pair and dp.tile_m == 128
+
+
+def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
+    """With kv_pair, every 128-row kernel precompiled is a page-pair one (the backend's
+    128-row plans all carry kv_pair) and no 64-row one is; without it, none is."""
+    import torch
+
+    from cute_kernels import append_sm90
+
+    calls = []
+    monkeypatch.setattr(attention, "_compiled", lambda *a: calls.append(("attn",) + a[1:]))
+    monkeypatch.setattr(attention, "_compiled_fused",
+                        lambda *a: calls.append(("fused",) + a[1:]))
+    monkeypatch.setattr(attention, "_compiled_combine", lambda *a: None)
+    monkeypatch.setattr(append_sm90, "_compiled_kernel", lambda *a: None)
+    for kv_pair in (True, False):
+        calls.clear()
+        attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
+                             consumers=(1, 2), lane_combine=True, kv_pair=kv_pair)
+        # (kind, unpacked, consumers, lazy, kv_pair)
+        assert sorted(calls) == sorted(
+            (kind, u, c, False, kv_pair and c == 2)
+            for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))
