@@ -645,42 +645,16 @@ class IonAttentionSm90:
                                 u_b = u
                             k_handle = k_prod.acquire_and_advance()
                             for half in cutlass.range_constexpr(2):
-                                unit = u if half == 0 else u_b
-                                if unit < n_old:
-                                    page = mBlockTable[b, unit]
-                                    cute.copy(tma_k, tKgK[(None, 0, 0, h, page)],
-                                              tKsK[(None, half, k_handle.index)],
-                                              tma_bar_ptr=k_handle.barrier)
-                                else:
-                                    tok = tok_base + (unit - n_old) * P
-                                    gKf = cute.flat_divide(
-                                        cute.domain_offset((tok, 0, 0), mKf_tma), (P, D))
-                                    tKsKf, tKgKf = cpasync.tma_partition(
-                                        tma_kf, 0, cute.make_layout(1),
-                                        cute.group_modes(sK_tma, 0, 2),
-                                        cute.group_modes(gKf, 0, 2))
-                                    cute.copy(tma_kf, tKgKf[(None, 0, 0, h)],
-                                              tKsKf[(None, half, k_handle.index)],
-                                              tma_bar_ptr=k_handle.barrier)
+                                self._load_unit_half(
+                                    tma_k, tKgK, tKsK, tma_kf, mKf_tma, sK_tma, (P, D), 0,
+                                    u if half == 0 else u_b, n_old, tok_base, b, h, half,
+                                    k_handle, mBlockTable)
                             v_handle = v_prod.acquire_and_advance()
                             for half in cutlass.range_constexpr(2):
-                                unit = u if half == 0 else u_b
-                                if unit < n_old:
-                                    page = mBlockTable[b, unit]
-                                    cute.copy(tma_v, tVgV[(None, 0, 0, h, page)],
-                                              tVsV[(None, half, v_handle.index)],
-                                              tma_bar_ptr=v_handle.barrier)
-                                else:
-                                    tok = tok_base + (unit - n_old) * P
-                                    gVf = cute.flat_divide(
-                                        cute.domain_offset((0, tok, 0), mVf_tma), (D, P))
-                                    tVsVf, tVgVf = cpasync.tma_partition(
-                                        tma_vf, 0, cute.make_layout(1),
-                                        cute.group_modes(sV_tma, 0, 2),
-                                        cute.group_modes(gVf, 0, 2))
-                                    cute.copy(tma_vf, tVgVf[(None, 0, 0, h)],
-                                              tVsVf[(None, half, v_handle.index)],
-                                              tma_bar_ptr=v_handle.barrier)
+                                self._load_unit_half(
+                                    tma_v, tVgV, tVsV, tma_vf, mVf_tma, sV_tma, (D, P), 1,
+                                    u if half == 0 else u_b, n_old, tok_base, b, h, half,
+                                    v_handle, mBlockTable)
                             for half in cutlass.range_constexpr(2):
                                 unit = u if half == 0 else u_b
                                 if unit >= n_old:
@@ -1121,6 +1095,29 @@ class IonAttentionSm90:
             # kv_pair: s_tile is the (rows, d, half, stage) view of the page boxes
             with cute.arch.elect_one():
                 cute.copy(tma_s, ts1[(None, half, stage)], tg1[(None, 0, 0, h, page)])
+
+    @cute.jit
+    def _load_unit_half(self, tma_page, tgPage, tsPage, tma_fresh, mFresh_tma, s_tma, box,
+                        row_mode: cutlass.Constexpr, unit, n_old, tok_base, b, h,
+                        half: cutlass.Constexpr, handle, mBlockTable):
+        """kv_pair + fresh_kv: KV unit ``unit`` (K with ``row_mode`` 0, V with 1) into half
+        ``half`` of the stage ``handle`` holds: a cache page (``unit < n_old``) by the page
+        atom, else fresh tile ``unit - n_old`` (new rows ``tok_base + k*P ..``) by the fresh
+        atom, both completing on the stage's barrier."""
+        if unit < n_old:
+            page = mBlockTable[b, unit]
+            cute.copy(tma_page, tgPage[(None, 0, 0, h, page)],
+                      tsPage[(None, half, handle.index)], tma_bar_ptr=handle.barrier)
+        else:
+            tok = tok_base + (unit - n_old) * self.page
+            o = [0, 0, 0]
+            o[row_mode] = tok
+            gF = cute.flat_divide(cute.domain_offset(tuple(o), mFresh_tma), box)
+            tsF, tgF = cpasync.tma_partition(
+                tma_fresh, 0, cute.make_layout(1), cute.group_modes(s_tma, 0, 2),
+                cute.group_modes(gF, 0, 2))
+            cute.copy(tma_fresh, tgF[(None, 0, 0, h)], tsF[(None, half, handle.index)],
+                      tma_bar_ptr=handle.barrier)
 
     @cute.jit
     def _store_fresh_half(self, tma_ks, mKs_tma, tma_vs, mVs_tma, sK, sV, sK_tma, sV_tma,
