@@ -1,8 +1,11 @@
 """Helpers shared by the GPU tests of the attention kernel (imported by test modules; this
 file holds no tests): random mixed batches, the NaN-poison + fp32-reference output check,
-a planner cost model that forces split-KV, and the GQA head shapes to sweep."""
+a planner cost model that forces split-KV, the GQA head shapes to sweep, a paged case with
+its reference, plans with or without forced splits, and a checked launch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +78,77 @@ def check_out(out, ref, mask, what: str, tol: float = TOL) -> float:
     return err
 
 
+@dataclass
+class ReferenceCase:
+    """Fresh random paged inputs (``cute_kernels.reference.make_paged_case``) with their
+    fp32 reference output, the mask of rows with work, and host copies of the metadata."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scale: float
+    ref: torch.Tensor
+    mask: torch.Tensor
+    qsl_h: object
+    sl_h: object
+
+
+def reference_case(seed, q_lens, seq_lens, *, hq: int, hkv: int, d: int, dtype, page: int,
+                   pad_rows: int = 0, device="cuda") -> ReferenceCase:
+    from cute_kernels.reference import (
+        default_softmax_scale,
+        make_paged_case,
+        reference_paged_attention,
+        written_rows_mask,
+    )
+
+    q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
+        seed, q_lens, seq_lens, hq, hkv, d, page=page, dtype=dtype, device=device,
+        pad_rows=pad_rows)
+    scale = default_softmax_scale(d)
+    ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)
+    return ReferenceCase(q, k_cache, v_cache, qsl, sl, bt, scale, ref,
+                         written_rows_mask(qsl, sl, q.shape[0]), qsl.cpu().numpy(),
+                         sl.cpu().numpy())
+
+
+def device_plan(qsl_h, sl_h, *, hkv: int, group_size: int, head_dim: int, page: int = 64,
+                force_split: bool = False, device="cuda", **plan_options):
+    """``make_device_plan`` with the ``CHEAP_SPLIT`` cost model when ``force_split`` (most
+    long tiles split), else the default one; ``plan_options``: any other option."""
+    from cute_kernels.attention import make_device_plan
+    from cute_kernels.planner import CostModel
+
+    extra = CHEAP_SPLIT if force_split else {}
+    return make_device_plan(qsl_h, sl_h, num_kv_heads=hkv, group_size=group_size,
+                            page_size=page, head_dim=head_dim, device=device,
+                            cost_model=CostModel(head_dim=head_dim, **extra), **plan_options)
+
+
+def launch_checked(case: ReferenceCase, plan, what: str, attention=None) -> torch.Tensor:
+    """Launch ``plan`` on ``case`` into a NaN-poisoned output and ``check_out`` it against
+    the reference; returns the output.  ``attention``: ``cute_kernels.ion_attention`` by
+    default (tests of this helper pass another)."""
+    if attention is None:
+        from cute_kernels.attention import ion_attention as attention
+    out = torch.full_like(case.q, float("nan"))
+    attention(case.q, case.k_cache, case.v_cache, out, case.qsl, case.seq_lens,
+              case.block_table, case.scale, plan=plan)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    check_out(out, case.ref, case.mask, what)
+    return out
+
+
+def check_agree(out_a, out_b, mask, what: str, tol: float = TOL) -> float:
+    """Two launches of one case agree to ``tol`` on the rows with work."""
+    agree = relative_error(out_a, out_b.float(), mask)
+    assert agree <= tol, f"{what}: rel diff {agree:.3e}"
+    return agree
+
+
 def mixed_batch_with_long_decode(rng, trial: int, page: int):
     """``random_mixed_batch`` with ``1 + trial % 2`` long chunks, plus one decode row of
     9k-30k tokens, so that every batch has at least one long split row."""
@@ -98,14 +172,9 @@ def forced_split_plan(qsl_h, sl_h, *, hkv: int, group_size: int, head_dim: int,
     cost model, so that most tiles split: the plan the combine tests compare kernels on.
     ``plan_options``: the combine switches (``row_combine``, ``pdl_combine``,
     ``lane_combine``) and any other ``make_device_plan`` option."""
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    return make_device_plan(qsl_h, sl_h, num_kv_heads=hkv, group_size=group_size,
-                            page_size=page, head_dim=head_dim, device="cuda",
-                            unpacked_prefill=True, tile_m=tile_m,
-                            cost_model=CostModel(head_dim=head_dim, **CHEAP_SPLIT),
-                            **plan_options)
+    return device_plan(qsl_h, sl_h, hkv=hkv, group_size=group_size, head_dim=head_dim,
+                       page=page, force_split=True, unpacked_prefill=True, tile_m=tile_m,
+                       **plan_options)
 
 
 #: persistent grid and split-KV workspace of the plan-reuse and CUDA-graph tests (two CTAs

@@ -25,11 +25,18 @@ from cute_kernels.reference import (
     new_token_slot_mapping,
     reference_kv_append,
     reference_paged_attention,
-    relative_error,
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL, random_mixed_batch
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    check_agree,
+    device_plan,
+    launch_checked,
+    random_mixed_batch,
+    reference_case,
+)
 from paged_gpu_checks import check_out as _check_out
 
 P = 64
@@ -37,47 +44,26 @@ P = 64
 
 def _device_plan(qsl, sl, hkv, g, d, *, kv_pair, force_split=False, unpacked=True,
                  fresh_kv=False):
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
-    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", unpacked_prefill=unpacked, tile_m=128,
-                            cost_model=cm, lane_combine=True, kv_pair=kv_pair,
-                            fresh_kv=fresh_kv)
+    return device_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P,
+                       force_split=force_split, unpacked_prefill=unpacked, tile_m=128,
+                       lane_combine=True, kv_pair=kv_pair, fresh_kv=fresh_kv)
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
          unpacked=True):
-    from cute_kernels.attention import ion_attention
-
+    case = reference_case(seed, q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
+                          pad_rows=pad_rows)
     g = hq // hkv
-    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
-                           device="cuda", pad_rows=pad_rows)
-    q, k_cache, v_cache, qsl, sl, bt = case
-    scale = default_softmax_scale(d)
-    ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)
-    mask = written_rows_mask(qsl, sl, q.shape[0])
-    qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
-
-    pp = _device_plan(qsl_h, sl_h, hkv, g, d, kv_pair=True, force_split=force_split,
+    pp = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_pair=True, force_split=force_split,
                       unpacked=unpacked)
     assert pp.kv_pair and pp.consumers == 2
     if force_split:
         assert pp.host.num_splits_max > 1, "split-KV not exercised"
-    out2 = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out2, qsl, sl, bt, scale, plan=pp)
-
-    p1 = _device_plan(qsl_h, sl_h, hkv, g, d, kv_pair=False, force_split=force_split,
-                      unpacked=unpacked)
-    out1 = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out1, qsl, sl, bt, scale, plan=p1)
-    torch.cuda.synchronize()
-
-    _check_out(out2, ref, mask, "kv_pair plan")
-    _check_out(out1, ref, mask, "tile_m=128 plan without pairs")
-    agree = relative_error(out2, out1.float(), mask)
-    assert agree <= TOL, f"pairs vs no pairs: rel diff {agree:.3e}"
+    out2 = launch_checked(case, pp, "kv_pair plan")
+    p1 = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_pair=False,
+                      force_split=force_split, unpacked=unpacked)
+    out1 = launch_checked(case, p1, "tile_m=128 plan without pairs")
+    check_agree(out2, out1, case.mask, "pairs vs no pairs")
     return pp
 
 

@@ -24,11 +24,18 @@ from cute_kernels.reference import (
     new_token_slot_mapping,
     reference_kv_append,
     reference_paged_attention,
-    relative_error,
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, HEAD_IDS, HEADS, TOL, random_mixed_batch
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    check_agree,
+    device_plan,
+    launch_checked,
+    random_mixed_batch,
+    reference_case,
+)
 from paged_gpu_checks import check_out as _check_out
 
 P = 64
@@ -38,45 +45,25 @@ LONG_CTX_64 = (0, 1, 37, 64, 100, 1000)
 
 def _device_plan(qsl, sl, hkv, g, d, *, tile_m, force_split=False, unpacked=False,
                  fresh_kv=False):
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
-    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", fresh_kv=fresh_kv, unpacked_prefill=unpacked,
-                            tile_m=tile_m, cost_model=cm)
+    return device_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P,
+                       force_split=force_split, fresh_kv=fresh_kv, unpacked_prefill=unpacked,
+                       tile_m=tile_m)
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
          unpacked=False):
-    from cute_kernels.attention import ion_attention
-
+    case = reference_case(seed, q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
+                          pad_rows=pad_rows)
     g = hq // hkv
-    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
-                           device="cuda", pad_rows=pad_rows)
-    q, k_cache, v_cache, qsl, sl, bt = case
-    scale = default_softmax_scale(d)
-    ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)
-    mask = written_rows_mask(qsl, sl, q.shape[0])
-    qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
-
-    p128 = _device_plan(qsl_h, sl_h, hkv, g, d, tile_m=128, force_split=force_split,
+    p128 = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, tile_m=128, force_split=force_split,
                         unpacked=unpacked)
     assert p128.tile_m == 128 and p128.consumers == 2
     if force_split:
         assert p128.host.num_splits_max > 1, "split-KV not exercised"
-    out2 = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out2, qsl, sl, bt, scale, plan=p128)
-
-    p64 = _device_plan(qsl_h, sl_h, hkv, g, d, tile_m=64)
-    out1 = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out1, qsl, sl, bt, scale, plan=p64)
-    torch.cuda.synchronize()
-
-    _check_out(out2, ref, mask, "tile_m=128 plan (consumers=2)")
-    _check_out(out1, ref, mask, "tile_m=64 plan")
-    agree = relative_error(out2, out1.float(), mask)
-    assert agree <= TOL, f"tile_m 128 vs 64: rel diff {agree:.3e}"
+    out2 = launch_checked(case, p128, "tile_m=128 plan (consumers=2)")
+    p64 = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, tile_m=64)
+    out1 = launch_checked(case, p64, "tile_m=64 plan")
+    check_agree(out2, out1, case.mask, "tile_m 128 vs 64")
     return p128
 
 

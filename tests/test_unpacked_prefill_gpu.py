@@ -25,11 +25,16 @@ from cute_kernels.reference import (
     new_token_slot_mapping,
     reference_kv_append,
     reference_paged_attention,
-    relative_error,
     written_rows_mask,
 )
 
-from paged_gpu_checks import CHEAP_SPLIT, TOL, random_mixed_batch
+from paged_gpu_checks import (
+    check_agree,
+    device_plan,
+    launch_checked,
+    random_mixed_batch,
+    reference_case,
+)
 from paged_gpu_checks import check_out as _check_out
 
 P = 64
@@ -44,48 +49,28 @@ def _random_batch(rng, n_long):
 
 
 def _device_plan(qsl, sl, hkv, g, d, *, unpacked, force_split=False, fresh_kv=False):
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
-
-    cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else CostModel(head_dim=d)
-    return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", fresh_kv=fresh_kv, unpacked_prefill=unpacked,
-                            cost_model=cm)
+    return device_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P,
+                       force_split=force_split, fresh_kv=fresh_kv, unpacked_prefill=unpacked)
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
          expect_unpacked=True):
-    from cute_kernels.attention import ion_attention
     from cute_kernels.planner import W_QHEAD
 
+    case = reference_case(seed, q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
+                          pad_rows=pad_rows)
     g = hq // hkv
-    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
-                           device="cuda", pad_rows=pad_rows)
-    q, k_cache, v_cache, qsl, sl, bt = case
-    scale = default_softmax_scale(d)
-    ref = reference_paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale)
-    mask = written_rows_mask(qsl, sl, q.shape[0])
-    qsl_h, sl_h = qsl.cpu().numpy(), sl.cpu().numpy()
-
-    pu = _device_plan(qsl_h, sl_h, hkv, g, d, unpacked=True, force_split=force_split)
+    pu = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, unpacked=True, force_split=force_split)
     assert pu.unpacked
     n_unp = int((pu.host.work[:, W_QHEAD] >= 0).sum())
     assert (n_unp > 0) == expect_unpacked, (n_unp, q_lens, seq_lens)
     if force_split:
         assert pu.host.num_splits_max > 1, "split-KV not exercised"
-    out_u = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out_u, qsl, sl, bt, scale, plan=pu)
-
-    pp = _device_plan(qsl_h, sl_h, hkv, g, d, unpacked=False, force_split=force_split)
+    out_u = launch_checked(case, pu, "unpacked plan")
+    pp = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, unpacked=False, force_split=force_split)
     assert not pp.unpacked
-    out_p = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out_p, qsl, sl, bt, scale, plan=pp)
-    torch.cuda.synchronize()
-
-    _check_out(out_u, ref, mask, "unpacked plan")
-    _check_out(out_p, ref, mask, "packed plan")
-    agree = relative_error(out_u, out_p.float(), mask)
-    assert agree <= TOL, f"packed vs unpacked plan: rel diff {agree:.3e}"
+    out_p = launch_checked(case, pp, "packed plan")
+    check_agree(out_u, out_p, case.mask, "packed vs unpacked plan")
     return n_unp
 
 
