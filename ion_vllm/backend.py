@@ -310,8 +310,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             logger.info_once("ION: %s split-KV combine (%s=0)",
                              "row" if self.row_combine else "group", LANE_COMBINE_ENV)
         #: page pairs on the 128-row kernels (an experiment; off by default)
-        self.kv_pair = kv_pair() and self.tile_m_auto
-        if kv_pair() and not self.tile_m_auto:
+        pairs_asked = kv_pair()
+        self.kv_pair = pairs_asked and self.tile_m_auto
+        if pairs_asked and not self.tile_m_auto:
             logger.warning_once("ION: %s=1 ignored: page pairs run on 128-row q tiles, and "
                                 "this configuration runs 64-row tiles only", KV_PAIR_ENV)
         if self.kv_pair:
