@@ -22,6 +22,11 @@ Page pairs (an experiment): a ``tile_m=128`` plan made with ``kv_pair=True``
 (``DevicePlan.kv_pair``) runs on ``IonAttentionSm90(consumers=2, kv_pair=True)``, whose
 K/V stages hold two 64-token pages (128-key S tiles); with ``key``/``value`` its fused
 writeback form.
+
+Deep K/V pipeline (an experiment): a ``tile_m=128`` plan made with ``kv_stages=3`` or ``4``
+(``DevicePlan.kv_stages``) runs on ``IonAttentionSm90(consumers=2, kv_stages=n)``: the
+producer may run ``n`` 64-token pages ahead of the consumers instead of 2 (``None``: the
+default of ``kv_stages_for``).
 """
 
 from __future__ import annotations
@@ -125,22 +130,49 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     return 2
 
 
+#: K/V stage counts a ``tile_m=128`` plan may ask for (``kv_stages=``): 2 is the default;
+#: 4 stages of 64-token K and V (128 KiB at D = 128) plus the four 64-row Q buffers
+#: (64 KiB) still fit one SM's 227 KiB of shared memory
+DEEP_KV_STAGES = (2, 3, 4)
+
+
+def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
+                    kv_pair: bool = False):
+    """``kv_stages`` as a kernel will use it: ``None`` keeps ``kv_stages_for``; a number is
+    accepted for the 128-row (consumers=2) kernels over 64-token pages without page pairs
+    only, and must be one of ``DEEP_KV_STAGES``."""
+    if kv_stages is None:
+        return None
+    n = int(kv_stages)
+    if n not in DEEP_KV_STAGES:
+        raise ValueError(f"kv_stages must be one of {DEEP_KV_STAGES}, got {kv_stages}")
+    if _check_consumers(consumers) != 2 or page_size != PAGE_SIZE or kv_pair:
+        raise ValueError("kv_stages is an option of the 128-row (tile_m=128) kernels over "
+                         f"{PAGE_SIZE}-token pages without kv_pair, got consumers={consumers}, "
+                         f"page_size={page_size}, kv_pair={kv_pair}")
+    # the default depth is the default kernel (one compiled kernel, not two)
+    return None if n == kv_stages_for(2, page_size) else n
+
+
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                lazy_rescale: bool = False, kv_pair: bool = False):
+                lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
     two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
     ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results);
-    ``kv_pair``: two pages per K/V stage (``consumers=2`` only; same arguments)."""
+    ``kv_pair``: two pages per K/V stage (``consumers=2`` only; same arguments);
+    ``kv_stages``: K/V pipeline depth of a ``consumers=2`` kernel (``check_kv_stages``)."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
+    stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
-                                lazy_rescale=lazy_rescale, kv_pair=kv_pair)
+                                lazy_rescale=lazy_rescale, kv_pair=kv_pair,
+                                kv_stages=stages or kv_stages_for(2, variant.page_size))
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -154,21 +186,23 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                      lazy_rescale: bool = False, kv_pair: bool = False):
+                      lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
     ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
-    variant (``consumers=2`` only)."""
+    variant (``consumers=2`` only); ``kv_stages``: as for ``make_kernel``."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
+    stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
-                                lazy_rescale=lazy_rescale, kv_pair=kv_pair).fused
+                                lazy_rescale=lazy_rescale, kv_pair=kv_pair,
+                                kv_stages=stages or kv_stages_for(2, variant.page_size)).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
@@ -230,23 +264,24 @@ fake_args = _fake_args
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
-              lazy_rescale: bool = False, kv_pair: bool = False):
+              lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
     import cutlass.cute as cute
 
     with _compile_lock:
-        return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair),
+        return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair,
+                                        kv_stages),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                    lazy_rescale: bool = False, kv_pair: bool = False):
+                    lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
-                                              kv_pair),
+                                              kv_pair, kv_stages),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -293,7 +328,7 @@ class DevicePlan:
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
-                 kv_pair: bool = False):
+                 kv_pair: bool = False, kv_stages=None):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -307,6 +342,10 @@ class DevicePlan:
         if self.kv_pair and (self.consumers != 2 or self.page_size != PAGE_SIZE):
             raise ValueError(f"kv_pair needs tile_m=128 plans over {PAGE_SIZE}-token pages, "
                              f"got tile_m={self.tile_m}, page_size={self.page_size}")
+        #: K/V pipeline stages of the kernels that run these plans (None: the default;
+        #: 3 or 4 on 128-row plans only, an experiment: see ``check_kv_stages``)
+        self.kv_stages = check_kv_stages(kv_stages, self.consumers, self.page_size,
+                                         self.kv_pair)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -403,7 +442,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      tile_m: int = 64, cost_model=None,
                      row_combine: bool = False, lazy_rescale: bool = False,
                      pdl_combine: bool = False, lane_combine: bool = False,
-                     kv_pair: bool = False) -> DevicePlan:
+                     kv_pair: bool = False, kv_stages=None) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -421,7 +460,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     (``IonAttentionSm90(lazy_rescale=True)``: an experiment, exact like the default).
     ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch.
     ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``).
-    ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan."""
+    ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan.
+    ``kv_stages=3`` or ``4`` (``tile_m=128`` only): kernels with that many K/V stages."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -441,7 +481,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                    lane_combine=lane_combine, kv_pair=kv_pair)
+                    lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages)
     return dp.upload(p)
 
 
@@ -571,13 +611,14 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     consumers = consumers_for_tile_m(getattr(plan, "tile_m", 64))
     lazy = bool(getattr(plan, "lazy_rescale", False))
     kv_pair = bool(getattr(plan, "kv_pair", False))
+    stages = getattr(plan, "kv_stages", None)
     if fused:
-        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers, lazy, kv_pair)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -594,7 +635,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
-               kv_pair: bool = False) -> None:
+               kv_pair: bool = False, kv_stages=None) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -605,6 +646,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``pdl_combine``: the combine kernel launched with PDL (plans with ``pdl_combine=True``).
     ``lane_combine``: the split-parallel combine kernel (plans with ``lane_combine=True``).
     ``kv_pair``: the 128-row kernels' page-pair variants (plans with ``kv_pair=True``).
+    ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -615,9 +657,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     for c in sorted(set(_check_consumers(c) for c in kinds)):
         # with kv_pair every 128-row plan runs the page-pair kernels, so only those
         pair = bool(kv_pair) and c == 2
+        stages = check_kv_stages(kv_stages, c, page_size, pair) if c == 2 else None
         for u in (False, True) if unpacked else (False,):
-            _compiled(variant, u, c, lz, pair)
+            _compiled(variant, u, c, lz, pair, stages)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair)
+                _compiled_fused(variant, u, c, lz, pair, stages)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -51,7 +51,7 @@ pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
      tests/test_fused_writeback_gpu.py tests/test_unpacked_prefill_gpu.py
      tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
      tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
-     tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py"}
+     tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py tests/test_kv_stages_gpu.py"}
 checks=(
   "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider $pytest_files"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
@@ -81,6 +81,12 @@ checks=(
   "sweep-fusedkp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-pair --force-split-every 2
      --out $out/sweep-fusedkp"
+  "sweep-s4 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 4 --force-split-every 2
+     --out $out/sweep-s4"
+  "sweep-fuseds4 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 4
+     --force-split-every 2 --out $out/sweep-fuseds4"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -103,7 +109,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
     sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
-    bench-anchors; do
+    sweep-s4 sweep-fuseds4 bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -114,7 +120,7 @@ lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
              "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
-             "sweep-fusedkp"):
+             "sweep-fusedkp", "sweep-s4", "sweep-fuseds4"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -305,7 +305,7 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
         calls.clear()
         attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                              consumers=(1, 2), lane_combine=True, kv_pair=kv_pair)
-        # (kind, unpacked, consumers, lazy, kv_pair)
+        # (kind, unpacked, consumers, lazy, kv_pair, kv_stages)
         assert sorted(calls) == sorted(
-            (kind, u, c, False, kv_pair and c == 2)
+            (kind, u, c, False, kv_pair and c == 2, None)
             for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))

@@ -1,0 +1,142 @@
+"""GPU (sm_90) tests of the deep K/V pipeline: a ``tile_m=128`` plan made with
+``kv_stages=4`` (or 3) makes ``ion_attention`` launch
+``IonAttentionSm90(consumers=2, kv_stages=n)``, whose producer runs up to ``n`` pages ahead.
+
+Checked on fresh random inputs (``out`` NaN-poisoned first; rows without work must stay
+NaN) against the fp32 reference, and against the same batch through the default 2-stage
+``tile_m=128`` plan: mixed batches (decode rows, chunks whose context is not a page
+multiple, rows with 0 new tokens, padded rows), G = 7, 8 and 1, D 64/128, bf16/fp16;
+forced split-KV (items shorter than the pipeline: the stage ring wraps at every item);
+the anchor prefill shape, shortened.  Fused writeback (``key``/``value``): the output as
+above and the cache bit-equal to the reference append at every position < seq_len.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cute_kernels.reference import (
+    default_softmax_scale,
+    make_paged_case,
+    new_token_slot_mapping,
+    reference_kv_append,
+    reference_paged_attention,
+    written_rows_mask,
+)
+
+from paged_gpu_checks import (
+    HEAD_IDS,
+    HEADS,
+    check_agree,
+    device_plan,
+    launch_checked,
+    random_mixed_batch,
+    reference_case,
+)
+from paged_gpu_checks import check_out as _check_out
+
+P = 64
+
+
+def _device_plan(qsl, sl, hkv, g, d, *, kv_stages, force_split=False, unpacked=True,
+                 fresh_kv=False):
+    return device_plan(qsl, sl, hkv=hkv, group_size=g, head_dim=d, page=P,
+                       force_split=force_split, unpacked_prefill=unpacked, tile_m=128,
+                       lane_combine=True, kv_stages=kv_stages, fresh_kv=fresh_kv)
+
+
+def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
+         unpacked=True, kv_stages=4):
+    case = reference_case(seed, q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
+                          pad_rows=pad_rows)
+    g = hq // hkv
+    deep = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=kv_stages,
+                        force_split=force_split, unpacked=unpacked)
+    assert deep.kv_stages == kv_stages and deep.consumers == 2
+    if force_split:
+        assert deep.host.num_splits_max > 1, "split-KV not exercised"
+    out_deep = launch_checked(case, deep, f"kv_stages={kv_stages} plan")
+    base = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=None,
+                        force_split=force_split, unpacked=unpacked)
+    out_base = launch_checked(case, base, "tile_m=128 plan, 2 stages")
+    check_agree(out_deep, out_base, case.mask, f"{kv_stages} stages vs 2")
+    return deep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+def test_deep_pipeline_matches_reference(heads, d, dtype):
+    hq, hkv = heads
+    rng = np.random.default_rng(11 * hq + d + (dtype == torch.float16))
+    for trial in range(3):
+        q_lens, seq_lens = random_mixed_batch(rng, n_long=1 + trial % 2, page=P,
+                                              long_ctx=(0, 1, 37, 64, 100, 1000))
+        _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=200 + trial,
+             pad_rows=(5 if trial == 1 else 0), unpacked=trial != 2,
+             kv_stages=4 if trial != 1 else 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+def test_deep_pipeline_split_kv(heads):
+    hq, hkv = heads
+    # many short items under a split-friendly cost model: items of 1-3 pages, fewer than
+    # the stages, so the producer's ring position carries across items
+    q_lens = [1, 1, 1, 256, 0, 129, 1, 200]
+    seq_lens = [150, 300, 560, 256 + 37, 77, 129 + 1, 3000, 200 + 2500]
+    p = _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=128, dtype=torch.bfloat16, seed=19,
+             pad_rows=3, force_split=True)
+    w = p.host.work
+    assert (w[:, 7] > 1).any() and ((w[:, 5] - w[:, 4]) < 4).any()
+
+
+@pytest.mark.gpu
+def test_deep_pipeline_long_prefill_g7():
+    # the anchor shape (28 q / 4 KV heads, d 128), shortened; a decode row beside
+    p = _run([2048, 1], [2148, 500], hq=28, hkv=4, d=128, dtype=torch.bfloat16, seed=13)
+    assert (p.host.work[:, 8] >= 0).any(), "no unpacked prefill item"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("force_split", [False, True], ids=["plain", "split"])
+@pytest.mark.parametrize("unpacked", [False, True], ids=["packed", "unpacked"])
+def test_deep_pipeline_fused_writeback(unpacked, force_split):
+    from cute_kernels.attention import ion_attention
+
+    hq, hkv, d, dtype = 28, 4, 128, torch.bfloat16
+    g = hq // hkv
+    # contexts 37, 0, 1 and 70 (fresh tiles straddle pages), decode rows, a row with 0 new
+    # tokens, chunks of 1-3 fresh tiles
+    q_lens = [1, 256, 0, 192, 3, 64, 130, 1]
+    seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1, 130 + 70, 150]
+    case = make_paged_case(41 + unpacked + 2 * force_split, q_lens, seq_lens, hq, hkv, d,
+                           page=P, dtype=dtype, device="cuda", pad_rows=2)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    total_q = q.shape[0]
+    gen = torch.Generator().manual_seed(42 + unpacked + 2 * force_split)
+    key = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    value = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
+    scale = default_softmax_scale(d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, ref_k, ref_v,
+                        new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q))
+    ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+    mask = written_rows_mask(qsl, sl, total_q)
+    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, kv_stages=4,
+                      unpacked=unpacked, fresh_kv=True, force_split=force_split)
+    assert dp.kv_stages == 4 and dp.fresh_kv
+    if force_split:
+        assert (dp.host.work[:, 7] > 1).any(), "split-KV not exercised"
+    out = torch.full_like(q, float("nan"))
+    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key, value=value)
+    torch.cuda.synchronize()
+    _check_out(out, ref, mask, "fused, kv_stages=4")
+    bt_h = bt.cpu()
+    for b, L in enumerate(seq_lens):
+        for pos in range(L):
+            blk, row = int(bt_h[b, pos // P]), pos % P
+            assert torch.equal(k_cache[blk, :, row], ref_k[blk, :, row]), (b, pos)
+            assert torch.equal(v_cache[blk, :, row], ref_v[blk, :, row]), (b, pos)
