@@ -442,7 +442,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      tile_m: int = 64, cost_model=None,
                      row_combine: bool = False, lazy_rescale: bool = False,
                      pdl_combine: bool = False, lane_combine: bool = False,
-                     kv_pair: bool = False, kv_stages=None) -> DevicePlan:
+                     kv_pair: bool = False, kv_stages=None,
+                     refine_balance: bool = True) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -461,7 +462,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch.
     ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``).
     ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan.
-    ``kv_stages=3`` or ``4`` (``tile_m=128`` only): kernels with that many K/V stages."""
+    ``kv_stages=3`` or ``4`` (``tile_m=128`` only): kernels with that many K/V stages.
+    ``refine_balance=False``: the planner without its final local search (``planner.plan``
+    ``refine``), for A/B runs."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -475,7 +478,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      num_kv_heads=num_kv_heads, group_size=group_size, page_size=page_size,
                      num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
                      fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill,
-                     tile_m=consumers_for_tile_m(tile_m) * 64, cost_model=cost_model)
+                     tile_m=consumers_for_tile_m(tile_m) * 64, cost_model=cost_model,
+                     refine=refine_balance)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,

@@ -67,6 +67,11 @@ _MAX_SPLIT_EVALS = 3
 _MAX_LPT_ROUNDS = 64
 _MAX_FILL_CLASSES = 24
 _BIG_FRAC = 1.0 / 16.0  # items above this fraction of the mean load go through exact LPT
+# refinement of the chosen assignment (``_refine``): at most this many move/swap rounds,
+# stopping once the costliest CTA is within _REFINE_TOL of the mean
+_REFINE_ROUNDS = 64
+_REFINE_TOL = 1e-3
+_REFINE_STALL = 8
 
 
 def next_pow2(x: int) -> int:
@@ -373,6 +378,55 @@ def _balance(costs: np.ndarray, num_ctas: int):
     return cta, loads
 
 
+def _refine(costs: np.ndarray, cta: np.ndarray, num_ctas: int,
+            rounds: int = _REFINE_ROUNDS) -> np.ndarray:
+    """Local search on an assignment (``cta`` per item; a new array is returned): each
+    round takes the costliest and the cheapest CTA and applies the one move (an item of
+    the costliest to the cheapest) or swap (an item of each) whose transferred cost is
+    closest to half their gap, among those that lower the costliest of the two.  No CTA
+    ever ends above the old maximum, every item stays assigned once, and ties resolve by
+    the lowest index, so the result is deterministic.  The water fill of ``_balance``
+    leaves up to ~1-3% between the costliest CTA and the mean on prefill plans (e.g. 1.2%
+    on one 8192-token prefill at 28/4 heads, 128-row tiles, against 0.3% for exact LPT);
+    this closes most of it in well under a millisecond."""
+    cta = cta.copy()
+    if costs.shape[0] <= 1 or num_ctas <= 1:
+        return cta
+    loads = np.bincount(cta, weights=costs, minlength=num_ctas).astype(np.float64)
+    # no assignment beats max(mean, costliest item): stop within _REFINE_TOL of that
+    bound = max(float(loads.sum()) / num_ctas, float(costs.max())) * (1.0 + _REFINE_TOL)
+    best_top, stall = float(loads.max()), 0
+    for _ in range(int(rounds)):
+        hi = int(np.argmax(loads))
+        lo = int(np.argmin(loads))
+        gap = loads[hi] - loads[lo]
+        if gap <= 0.0 or loads[hi] <= bound:
+            break
+        a = np.flatnonzero(cta == hi)
+        b = np.flatnonzero(cta == lo)
+        ca, cb = costs[a], costs[b]
+        delta = np.concatenate([ca, (ca[:, None] - cb[None, :]).ravel()])
+        ok = (delta > 0.0) & (delta < gap)
+        if not ok.any():
+            break
+        k = int(np.argmin(np.where(ok, np.abs(delta - 0.5 * gap), np.inf)))
+        if k < a.shape[0]:
+            cta[a[k]] = lo
+        else:
+            i, j = divmod(k - a.shape[0], b.shape[0])
+            cta[a[i]] = lo
+            cta[b[j]] = hi
+        loads[hi] -= delta[k]
+        loads[lo] += delta[k]
+        # several CTAs tied at the top: stop once a few rounds no longer lower the maximum
+        top = float(loads.max())
+        stall = stall + 1 if top >= best_top else 0
+        best_top = min(best_top, top)
+        if stall >= _REFINE_STALL:
+            break
+    return cta
+
+
 def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
     """Tile -> item expansion: (tile index, split index, first page, end page) per item."""
     total = int(splits.sum())
@@ -424,6 +478,7 @@ def plan(
     max_partial_rows: int | None = None,
     fresh_kv: bool = False,
     unpacked_prefill: bool = False,
+    refine: bool = True,
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
@@ -433,6 +488,8 @@ def plan(
     ``unpacked_prefill=True`` tiles long prefill rows of a padded GQA group (G < Gp) one
     q head x ``tile_m`` tokens per item (work col 8 >= 0, rule: ``unpacked_requests``);
     the plan must then run on the ``unpacked_prefill`` kernel variant.
+    ``refine=False`` keeps the water-filled assignment of ``_balance`` without the local
+    search of ``_refine`` (the planner before 2026-12-02; for A/B runs).
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -514,6 +571,7 @@ def plan(
     cta0, loads0 = _balance(cost0, num_ctas)
     best_total = float(loads0.max())
     best = (ones, cta0, cost0)
+    best_comb = 0.0
     mean0 = float(cost0.sum()) / num_ctas
 
     # ---- split-KV search ----------------------------------------------------------------
@@ -564,9 +622,20 @@ def plan(
             if tot_c < min(target, best_total):
                 best_total = tot_c
                 best = (s_c, cta_c, cost_c)
+                best_comb = float(comb[ci])
 
     # ---- materialize ----------------------------------------------------------------------
     splits, cta, item_cost = best
+    if refine:
+        cta = _refine(item_cost, cta, num_ctas)
+        if best[0] is not ones:
+            # the split was chosen on unrefined makespans: keep it only if it still beats
+            # the refined no-split schedule (so splitting never models worse than not)
+            cta0r = _refine(cost0, cta0, num_ctas)
+            split_total = float(np.bincount(cta, weights=item_cost, minlength=num_ctas).max())
+            if float(np.bincount(cta0r, weights=cost0, minlength=num_ctas).max()) <= (
+                    split_total + best_comb):
+                splits, cta, item_cost = ones, cta0r, cost0
     # Items are generated in (b, h, q tile, split) order; a stable sort by CTA keeps that
     # order inside each CTA (KV-head locality, deterministic).
     perm = np.argsort(cta.astype(np.uint16) if num_ctas <= 65536 else cta, kind="stable")

@@ -394,3 +394,9 @@ def test_append_and_fused_backends(monkeypatch):
         assert calls == [("attn", ["key", "plan", "value"])]
         assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True,
                                  kv_stages=4 if deep else None)
+    # ion-auto-fused-wf: the same plan options, planned without the final local search
+    calls.clear()
+    kr.PREPARE["ion-auto-fused-wf"](prefill, 0, "cpu", {}).call()
+    assert calls == [("attn", ["key", "plan", "value"])]
+    assert plans[-1] == dict(kr.auto_plan_options(prefill), fresh_kv=True, refine_balance=False)
+    assert "ion-auto-fused-wf" in kr.BACKENDS

@@ -718,3 +718,38 @@ def test_choose_tile_m_refuses_bad_input():
 
     with pytest.raises(ValueError):
         choose_tile_m([0, 4], [4, 5], num_q_heads=28, num_kv_heads=4, head_dim=128)
+
+
+# --------------------------------------------------------------------------- refinement
+def test_refine_never_raises_the_makespan_and_keeps_every_item():
+    from cute_kernels.planner import _balance, _refine
+
+    rng = np.random.default_rng(11)
+    for trial in range(60):
+        n = int(rng.integers(2, 3000))
+        num_ctas = int(rng.choice([2, 7, 66, 132]))
+        c = (rng.random(n) ** 3) * 100 + 0.5 if trial % 2 else rng.integers(1, 65, n) * 0.9 + 1
+        cta, loads = _balance(c, num_ctas)
+        r = _refine(c, cta, num_ctas)
+        assert r.shape == cta.shape and r.min() >= 0 and r.max() < num_ctas
+        assert not np.shares_memory(r, cta)
+        new = np.bincount(r, weights=c, minlength=num_ctas)
+        assert np.isclose(new.sum(), c.sum())
+        assert new.max() <= loads.max() + 1e-9
+        assert np.array_equal(r, _refine(c, cta, num_ctas))  # deterministic
+
+
+def test_refine_closes_the_prefill_imbalance():
+    """One 8192-token prefill, 28/4 heads, 128-row unpacked tiles on 132 CTAs: the water
+    fill leaves the costliest CTA 1.2% above the mean; the refined plan is within 0.3%
+    (what exact LPT reaches), with the same items."""
+    kw = dict(num_kv_heads=4, group_size=7, num_ctas=132, tile_m=128, unpacked_prefill=True,
+              fresh_kv=True)
+    old = plan(qsl_of([8192]), [8192], refine=False, **kw)
+    new = plan(qsl_of([8192]), [8192], **kw)
+    assert old.cta_cost.max() / old.cta_cost.mean() > 1.01
+    assert new.cta_cost.max() / new.cta_cost.mean() < 1.003
+    assert new.modeled_us < old.modeled_us
+    key = lambda p: sorted(map(tuple, p.work.tolist()))  # noqa: E731
+    assert key(new) == key(old)
+    assert balance_ok(new)

@@ -30,7 +30,8 @@ from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
             "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
-            "ion-auto-fused-kp", "ion-auto-s4", "ion-auto-fused-s4", "ion-unpacked",
+            "ion-auto-fused-kp", "ion-auto-s4", "ion-auto-fused-s4", "ion-auto-fused-wf",
+            "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -490,6 +491,13 @@ def prepare_ion_auto_fused_s4(case: Case, rot: int, device, shared: dict) -> Pre
                                   kv_stages=4 if tile_m == 128 else None)
 
 
+def prepare_ion_auto_fused_wf(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` planned without the planner's final local search
+    (``planner.plan(refine=False)``: the water-filled assignment alone, the planner before
+    2026-12-02).  The A/B of that search, on the default layer."""
+    return prepare_ion_auto_fused(case, rot, device, shared, refine_balance=False)
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -497,6 +505,7 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
            "ion-auto-fused-kp": prepare_ion_auto_fused_kp,
            "ion-auto-s4": prepare_ion_auto_s4, "ion-auto-fused-s4": prepare_ion_auto_fused_s4,
+           "ion-auto-fused-wf": prepare_ion_auto_fused_wf,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
