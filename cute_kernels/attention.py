@@ -23,10 +23,10 @@ Page pairs (an experiment): a ``tile_m=128`` plan made with ``kv_pair=True``
 K/V stages hold two 64-token pages (128-key S tiles); with ``key``/``value`` its fused
 writeback form.
 
-Deep K/V pipeline (an experiment): a ``tile_m=128`` plan made with ``kv_stages=3`` or ``4``
-(``DevicePlan.kv_stages``) runs on ``IonAttentionSm90(consumers=2, kv_stages=n)``: the
-producer may run ``n`` 64-token pages ahead of the consumers instead of 2 (``None``: the
-default of ``kv_stages_for``).
+K/V pipeline depth: the 128-row kernels over 64-token pages run 4 K/V stages
+(``kv_stages_for``); a ``tile_m=128`` plan made with ``kv_stages=2`` or ``3``
+(``DevicePlan.kv_stages``) runs on ``IonAttentionSm90(consumers=2, kv_stages=n)`` instead
+(2: the depth before 2026-12-02, for A/B runs; ``None``: the default).
 """
 
 from __future__ import annotations
@@ -124,15 +124,26 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     next K waited for the previous PV to free the V slot): mixed 166 us, prefill 818 us,
     against 155 and 804 for 64-token pages.  The producer now issues K_{p+1} before V_p on
     one stage (v9, measured on 2026-12-01: mixed 158 us, prefill 806 us against 152 and
-    804 for 64-token pages; bench/notes.md)."""
-    if _check_consumers(consumers) == 1 and page_size > PAGE_SIZE:
+    804 for 64-token pages; bench/notes.md).
+
+    The 128-row kernels (consumers=2, one CTA per SM) over 64-token pages run 4 stages
+    (since 2026-12-02): their shared memory holds it (4 x 32 KiB of K and V plus 64 KiB of
+    Q buffers = 192 KiB of 227), and the H200 measured the attention-only 128-row kernel
+    on one 8192-token prefill 1.4% faster at full clock and 5% faster in the slower phase
+    a sustained run settles into, the fused-writeback form unchanged (+-0.2%), against 2
+    stages (bench/notes.md, v14); page pairs keep 2 stages of two pages."""
+    c = _check_consumers(consumers)
+    if c == 1 and page_size > PAGE_SIZE:
         return 1
+    if c == 2 and page_size == PAGE_SIZE:
+        return 4
     return 2
 
 
-#: K/V stage counts a ``tile_m=128`` plan may ask for (``kv_stages=``): 2 is the default;
-#: 4 stages of 64-token K and V (128 KiB at D = 128) plus the four 64-row Q buffers
-#: (64 KiB) still fit one SM's 227 KiB of shared memory
+#: K/V stage counts a ``tile_m=128`` plan may ask for (``kv_stages=``); 4 is the default
+#: (``kv_stages_for``): 4 stages of 64-token K and V (128 KiB at D = 128) plus the four
+#: 64-row Q buffers (64 KiB) fit one SM's 227 KiB of shared memory; 2 is the depth before
+#: 2026-12-02, kept for A/B runs
 DEEP_KV_STAGES = (2, 3, 4)
 
 
@@ -140,7 +151,7 @@ def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
                     kv_pair: bool = False):
     """``kv_stages`` as a kernel will use it: ``None`` keeps ``kv_stages_for``; a number is
     accepted for the 128-row (consumers=2) kernels over 64-token pages without page pairs
-    only, and must be one of ``DEEP_KV_STAGES``."""
+    only, and must be one of ``DEEP_KV_STAGES`` (the default depth comes back as None)."""
     if kv_stages is None:
         return None
     n = int(kv_stages)
@@ -152,6 +163,12 @@ def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
                          f"page_size={page_size}, kv_pair={kv_pair}")
     # the default depth is the default kernel (one compiled kernel, not two)
     return None if n == kv_stages_for(2, page_size) else n
+
+
+def _c2_stages(variant: Variant, kv_pair: bool) -> int:
+    """Default K/V stages of a consumers=2 kernel: page pairs hold two pages per stage on 2
+    stages (the same shared memory as 4 single-page stages)."""
+    return 2 if kv_pair else kv_stages_for(2, variant.page_size)
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
@@ -172,7 +189,7 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or kv_stages_for(2, variant.page_size))
+                                kv_stages=stages or _c2_stages(variant, kv_pair))
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -202,7 +219,7 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or kv_stages_for(2, variant.page_size)).fused
+                                kv_stages=stages or _c2_stages(variant, kv_pair)).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
@@ -343,7 +360,7 @@ class DevicePlan:
             raise ValueError(f"kv_pair needs tile_m=128 plans over {PAGE_SIZE}-token pages, "
                              f"got tile_m={self.tile_m}, page_size={self.page_size}")
         #: K/V pipeline stages of the kernels that run these plans (None: the default;
-        #: 3 or 4 on 128-row plans only, an experiment: see ``check_kv_stages``)
+        #: 2 or 3 on 128-row plans only, for A/B runs: see ``check_kv_stages``)
         self.kv_stages = check_kv_stages(kv_stages, self.consumers, self.page_size,
                                          self.kv_pair)
         self.device = device
@@ -462,7 +479,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``pdl_combine=True``: the combine pass is launched with programmatic dependent launch.
     ``lane_combine=True``: the split-parallel combine kernel (``CombineLanesSm90``).
     ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan.
-    ``kv_stages=3`` or ``4`` (``tile_m=128`` only): kernels with that many K/V stages.
+    ``kv_stages=2`` or ``3`` (``tile_m=128`` only): kernels with that many K/V stages
+    instead of the default 4.
     ``refine_balance=False``: the planner without its final local search (``planner.plan``
     ``refine``), for A/B runs."""
     import numpy as np

@@ -4,8 +4,8 @@
 # Steps, in order (each with its own time limit; a failed step does not stop the chain):
 #   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default
 #           attention), ion-auto-fused (what a layer runs by default: fused KV writeback, one
-#           launch), ion-auto-kp / ion-auto-fused-kp (the same with two pages per K/V
-#           stage on 128-row tiles, an experiment), fa3
+#           launch), ion-auto-s2 / ion-auto-fused-s2 (the same with two K/V stages on
+#           128-row tiles, the depth before 2026-12-02), fa3; interleaved timing
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
@@ -29,7 +29,7 @@
 #           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
 #           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
-# KBENCH_BACKENDS, KBENCH_TIMING (queued, or interleaved: backends alternate call by call), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
+# KBENCH_BACKENDS, KBENCH_TIMING (interleaved, the default: backends alternate call by call; or queued), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
 # kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, AGREE_MODES (default
@@ -65,9 +65,9 @@ step() {  # step NAME SECONDS CMD...
 }
 
 if want kbench; then
-  kb_default=ion-auto,ion-auto-kp,ion-auto-fused,ion-auto-fused-kp,fa3
+  kb_default=ion-auto,ion-auto-s2,ion-auto-fused,ion-auto-fused-s2,fa3
   step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-$kb_default}" --timing "${KBENCH_TIMING:-queued}" \
+    --backends "${KBENCH_BACKENDS:-$kb_default}" --timing "${KBENCH_TIMING:-interleaved}" \
     --out "$out/kbench"
 fi
 if want kvgpu; then

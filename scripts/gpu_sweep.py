@@ -495,8 +495,8 @@ def parse_args(argv=None):
                     help="the page-pair kernel variants (two pages per K/V stage; needs "
                          "--tile-m 128)")
     ap.add_argument("--kv-stages", type=int, default=None,
-                    help="K/V pipeline stages of the 128-row kernels (3 or 4, an experiment; "
-                         "needs --tile-m 128; default: the kernels' own)")
+                    help="K/V pipeline stages of the 128-row kernels (2 or 3 instead of the "
+                         "default 4; needs --tile-m 128)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")

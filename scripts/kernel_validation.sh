@@ -81,12 +81,12 @@ checks=(
   "sweep-fusedkp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-pair --force-split-every 2
      --out $out/sweep-fusedkp"
-  "sweep-s4 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
-     --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 4 --force-split-every 2
-     --out $out/sweep-s4"
-  "sweep-fuseds4 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
-     --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 4
-     --force-split-every 2 --out $out/sweep-fuseds4"
+  "sweep-s2 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 2 --force-split-every 2
+     --out $out/sweep-s2"
+  "sweep-fuseds2 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 2
+     --force-split-every 2 --out $out/sweep-fuseds2"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -109,7 +109,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
     sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
-    sweep-s4 sweep-fuseds4 bench-anchors; do
+    sweep-s2 sweep-fuseds2 bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -120,7 +120,7 @@ lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
              "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
-             "sweep-fusedkp", "sweep-s4", "sweep-fuseds4"):
+             "sweep-fusedkp", "sweep-s2", "sweep-fuseds2"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

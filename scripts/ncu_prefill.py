@@ -7,7 +7,7 @@ call per backend between ``cudaProfilerStart`` and ``cudaProfilerStop``, so that
 
     ncu --profile-from-start off --clock-control none --set full -o OUT/prefill \\
         python3 scripts/ncu_prefill.py --case prefill-1x8192-h28/4-d128 \\
-        --backends ion-auto-fused,ion-auto-fused-s4,fa3
+        --backends ion-auto-fused,ion-auto-fused-s2,fa3
 
 profiles only those calls (one NVTX range per backend names which kernels are whose).
 ``scripts/ncu_prefill.sh OUT`` runs that and writes the metrics the notes compare

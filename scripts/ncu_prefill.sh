@@ -7,7 +7,7 @@
 # (--clock-control none, as the device docs ask), so durations are the run's own.
 set -u
 out=${1:?usage: ncu_prefill.sh OUT [BACKENDS] [CASE]}
-backends=${2:-ion-auto-fused,ion-auto-fused-s4,fa3}
+backends=${2:-ion-auto-fused,ion-auto-fused-s2,fa3}
 case_name=${3:-prefill-1x8192-h28/4-d128}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"

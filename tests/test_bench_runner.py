@@ -303,12 +303,12 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     kr.PREPARE["ion-auto-kp"](mixed, 0, "cpu", {})
     assert seen == [dict(auto, tile_m=128, kv_pair=True), dict(auto, tile_m=64, kv_pair=False)]
     assert "ion-auto-kp" in kr.BACKENDS
-    # ion-auto-s4 / ion-auto-fused-s4: four K/V stages on the 128-row tiles only
+    # ion-auto-s2 / ion-auto-fused-s2: two K/V stages on the 128-row tiles only
     seen.clear()
-    kr.PREPARE["ion-auto-s4"](prefill, 0, "cpu", {})
-    kr.PREPARE["ion-auto-s4"](mixed, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=128, kv_stages=4), dict(auto, tile_m=64, kv_stages=None)]
-    assert "ion-auto-s4" in kr.BACKENDS and "ion-auto-fused-s4" in kr.BACKENDS
+    kr.PREPARE["ion-auto-s2"](prefill, 0, "cpu", {})
+    kr.PREPARE["ion-auto-s2"](mixed, 0, "cpu", {})
+    assert seen == [dict(auto, tile_m=128, kv_stages=2), dict(auto, tile_m=64, kv_stages=None)]
+    assert "ion-auto-s2" in kr.BACKENDS and "ion-auto-fused-s2" in kr.BACKENDS
 
 
 def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):
@@ -387,13 +387,13 @@ def test_append_and_fused_backends(monkeypatch):
         assert calls == [("attn", ["key", "plan", "value"])]
         assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, kv_pair=pair)
         assert plans[-1]["tile_m"] == (128 if pair else 64)
-    # ion-auto-fused-s4: the same, with four K/V stages where the plan has 128-row tiles
-    for c, deep in ((case, False), (prefill, True)):
+    # ion-auto-fused-s2: the same, with two K/V stages where the plan has 128-row tiles
+    for c, shallow in ((case, False), (prefill, True)):
         calls.clear()
-        kr.PREPARE["ion-auto-fused-s4"](c, 0, "cpu", {}).call()
+        kr.PREPARE["ion-auto-fused-s2"](c, 0, "cpu", {}).call()
         assert calls == [("attn", ["key", "plan", "value"])]
         assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True,
-                                 kv_stages=4 if deep else None)
+                                 kv_stages=2 if shallow else None)
     # ion-auto-fused-wf: the same plan options, planned without the final local search
     calls.clear()
     kr.PREPARE["ion-auto-fused-wf"](prefill, 0, "cpu", {}).call()

@@ -29,7 +29,7 @@ def test_script_completes_and_summarizes_without_gpu(tmp_path, parallel):
     assert names == ["pytest-gpu", "sweep-append", "sweep-fused", "sweep-unpacked",
                      "sweep-m128", "sweep-rowcomb", "sweep-lazy", "sweep-pdl",
                      "sweep-fused128", "sweep-lanes", "sweep-kvpair", "sweep-fusedkp",
-                     "sweep-s4", "sweep-fuseds4", "bench-anchors"]
+                     "sweep-s2", "sweep-fuseds2", "bench-anchors"]
     # without a GPU nothing can pass: no step may claim success
     assert all("rc=0 " not in s for s in steps), steps
     summary = (out / "summary.md").read_text()

@@ -1,10 +1,11 @@
-"""GPU (sm_90) tests of the deep K/V pipeline: a ``tile_m=128`` plan made with
-``kv_stages=4`` (or 3) makes ``ion_attention`` launch
-``IonAttentionSm90(consumers=2, kv_stages=n)``, whose producer runs up to ``n`` pages ahead.
+"""GPU (sm_90) tests of the K/V pipeline depth of the 128-row kernels: a ``tile_m=128``
+plan runs ``IonAttentionSm90(consumers=2)`` with 4 K/V stages by default (since
+2026-12-02), or with ``kv_stages=2`` / ``3`` the shallower kernels, whose producer runs up
+to that many pages ahead.
 
 Checked on fresh random inputs (``out`` NaN-poisoned first; rows without work must stay
-NaN) against the fp32 reference, and against the same batch through the default 2-stage
-``tile_m=128`` plan: mixed batches (decode rows, chunks whose context is not a page
+NaN) against the fp32 reference, and the default 4-stage plan against the same batch
+through a 2- or 3-stage plan: mixed batches (decode rows, chunks whose context is not a page
 multiple, rows with 0 new tokens, padded rows), G = 7, 8 and 1, D 64/128, bf16/fp16;
 forced split-KV (items shorter than the pipeline: the stage ring wraps at every item);
 the anchor prefill shape, shortened.  Fused writeback (``key``/``value``): the output as
@@ -47,20 +48,21 @@ def _device_plan(qsl, sl, hkv, g, d, *, kv_stages, force_split=False, unpacked=T
 
 
 def _run(q_lens, seq_lens, *, hq, hkv, d, dtype, seed, pad_rows=0, force_split=False,
-         unpacked=True, kv_stages=4):
+         unpacked=True, kv_stages=2):
     case = reference_case(seed, q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
                           pad_rows=pad_rows)
     g = hq // hkv
-    deep = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=kv_stages,
+    deep = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=None,
                         force_split=force_split, unpacked=unpacked)
-    assert deep.kv_stages == kv_stages and deep.consumers == 2
+    assert deep.kv_stages is None and deep.consumers == 2
     if force_split:
         assert deep.host.num_splits_max > 1, "split-KV not exercised"
-    out_deep = launch_checked(case, deep, f"kv_stages={kv_stages} plan")
-    base = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=None,
-                        force_split=force_split, unpacked=unpacked)
-    out_base = launch_checked(case, base, "tile_m=128 plan, 2 stages")
-    check_agree(out_deep, out_base, case.mask, f"{kv_stages} stages vs 2")
+    out_deep = launch_checked(case, deep, "tile_m=128 plan, default 4 stages")
+    other = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_stages=kv_stages,
+                         force_split=force_split, unpacked=unpacked)
+    assert other.kv_stages == kv_stages
+    out_other = launch_checked(case, other, f"kv_stages={kv_stages} plan")
+    check_agree(out_deep, out_other, case.mask, f"4 stages vs {kv_stages}")
     return deep
 
 
@@ -76,7 +78,7 @@ def test_deep_pipeline_matches_reference(heads, d, dtype):
                                               long_ctx=(0, 1, 37, 64, 100, 1000))
         _run(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=200 + trial,
              pad_rows=(5 if trial == 1 else 0), unpacked=trial != 2,
-             kv_stages=4 if trial != 1 else 3)
+             kv_stages=2 if trial != 1 else 3)
 
 
 @pytest.mark.gpu
@@ -125,15 +127,15 @@ def test_deep_pipeline_fused_writeback(unpacked, force_split):
                         new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q))
     ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
     mask = written_rows_mask(qsl, sl, total_q)
-    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, kv_stages=4,
+    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, kv_stages=None,
                       unpacked=unpacked, fresh_kv=True, force_split=force_split)
-    assert dp.kv_stages == 4 and dp.fresh_kv
+    assert dp.kv_stages is None and dp.fresh_kv and dp.consumers == 2  # 4 stages
     if force_split:
         assert (dp.host.work[:, 7] > 1).any(), "split-KV not exercised"
     out = torch.full_like(q, float("nan"))
     ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key, value=value)
     torch.cuda.synchronize()
-    _check_out(out, ref, mask, "fused, kv_stages=4")
+    _check_out(out, ref, mask, "fused, 4 stages")
     bt_h = bt.cpu()
     for b, L in enumerate(seq_lens):
         for pos in range(L):

@@ -283,8 +283,10 @@ def test_two_consumer_variant_compiles_for_sm90a(variant):
     # Q (2 boxes of 64 rows), K, V: one TMA load site per 64 columns of D each
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::c\w+\.global", art.ptx))
     assert loads == 4 * (variant.head_dim // 64)
-    # 3 pipelines x 2 stages: full barriers count 1 (the TMA thread), empty barriers 8
-    assert _barrier_init_counts(art.ptx) == [1] * 6 + [8] * 6
+    # Q: 2 stages, K and V: kv_stages_for (4 over 64-token pages since 2026-12-02): full
+    # barriers count 1 (the TMA thread), empty barriers 8
+    n = 2 + 2 * attention.kv_stages_for(2, variant.page_size)
+    assert _barrier_init_counts(art.ptx) == [1] * n + [8] * n
 
 
 def test_default_kernel_empty_barriers_count_4():
@@ -315,7 +317,8 @@ def test_two_consumer_option_variants_compile(vi, unpacked, fused):
                             compile_options="--enable-tvm-ffi", keep_cubin=True)
         assert art.has("setmaxnreg.inc.sync.aligned.u32 \t240;")
     assert art.has("wgmma.mma_async") and ".reqntid 384, 1, 1" in art.ptx
-    assert _barrier_init_counts(art.ptx) == [1] * 6 + [8] * 6
+    n = 2 + 2 * attention.kv_stages_for(2, v.page_size)
+    assert _barrier_init_counts(art.ptx) == [1] * n + [8] * n
     _check_no_spills(art)
 
 

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backends", default="ion,fa3,fa4,triton",
                    help="comma-separated subset of ion,ion-auto,ion-auto-rc,ion-auto-gc,"
                         "ion-auto-p128,ion-auto-lr,ion-auto-pdl,ion-auto-lc,ion-auto-kp,"
-                        "ion-auto-append,ion-auto-fused-kp,ion-auto-s4,ion-auto-fused-s4,"
+                        "ion-auto-append,ion-auto-fused-kp,ion-auto-s2,ion-auto-fused-s2,"
                         "ion-auto-fused-wf,"
                         "ion-auto-fused,ion-unpacked,ion-m128,ion-m128-unpacked,"
                         "fa3,fa4,triton "
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "kernels, an experiment; -pdl: the combine by programmatic dependent "
                         "launch; -lc: the split-parallel combine, part of the default; "
                         "-kp: two pages per K/V stage on 128-row tiles, an experiment; "
-                        "-s4: four K/V stages on 128-row tiles, an experiment; "
+                        "-s2: two K/V stages on 128-row tiles (the depth before 2026-12-02); "
                         "-wf: planned without the planner's final local search; "
                         "-append: kv_append of the new K/V, then the attention; "
                         "-fused: fused KV writeback, one launch (what a vLLM layer runs by "

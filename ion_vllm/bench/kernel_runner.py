@@ -30,7 +30,7 @@ from .kernel_suite import Case, flops, min_bytes, rotations
 
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
             "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
-            "ion-auto-fused-kp", "ion-auto-s4", "ion-auto-fused-s4", "ion-auto-fused-wf",
+            "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
             "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
@@ -472,23 +472,23 @@ def prepare_ion_auto_fused_kp(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion_auto_fused(case, rot, device, shared, kv_pair=tile_m == 128)
 
 
-def prepare_ion_auto_s4(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto`` with four K/V stages on its 128-row tiles (``kv_stages=4`` plans,
-    kernel ``IonAttentionSm90(consumers=2, kv_stages=4)``): the producer may load four
-    64-token pages ahead of the consumers instead of two, the prefetch distance FA3's two
-    128-key stages have.  An experiment aimed at the prefill gap; steps that
-    ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
+def prepare_ion_auto_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with two K/V stages on its 128-row tiles (``kv_stages=2`` plans,
+    kernel ``IonAttentionSm90(consumers=2, kv_stages=2)``), the depth before 2026-12-02:
+    the producer may load two 64-token pages ahead of the consumers instead of the
+    default four.  For A/B runs; steps that ``choose_tile_m`` gives 64-row tiles run
+    exactly ``ion-auto``."""
     opts = auto_plan_options(case)
     return prepare_ion(case, rot, device, shared,
-                       **dict(opts, kv_stages=4 if opts["tile_m"] == 128 else None))
+                       **dict(opts, kv_stages=2 if opts["tile_m"] == 128 else None))
 
 
-def prepare_ion_auto_fused_s4(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto-fused`` with four K/V stages on its 128-row tiles (``kv_stages=4``
-    fresh_kv plans): the default layer's one launch with a deeper K/V pipeline."""
+def prepare_ion_auto_fused_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` with two K/V stages on its 128-row tiles (``kv_stages=2``
+    fresh_kv plans): the default layer as it was before 2026-12-02."""
     tile_m = auto_plan_options(case)["tile_m"]
     return prepare_ion_auto_fused(case, rot, device, shared,
-                                  kv_stages=4 if tile_m == 128 else None)
+                                  kv_stages=2 if tile_m == 128 else None)
 
 
 def prepare_ion_auto_fused_wf(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -504,7 +504,7 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-lc": prepare_ion_auto_lc, "ion-auto-kp": prepare_ion_auto_kp,
            "ion-auto-append": prepare_ion_auto_append, "ion-auto-fused": prepare_ion_auto_fused,
            "ion-auto-fused-kp": prepare_ion_auto_fused_kp,
-           "ion-auto-s4": prepare_ion_auto_s4, "ion-auto-fused-s4": prepare_ion_auto_fused_s4,
+           "ion-auto-s2": prepare_ion_auto_s2, "ion-auto-fused-s2": prepare_ion_auto_fused_s2,
            "ion-auto-fused-wf": prepare_ion_auto_fused_wf,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
