@@ -129,9 +129,9 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     The 128-row kernels (consumers=2, one CTA per SM) over 64-token pages run 4 stages
     (since 2026-12-02): their shared memory holds it (4 x 32 KiB of K and V plus 64 KiB of
     Q buffers = 192 KiB of 227), and the H200 measured the attention-only 128-row kernel
-    on one 8192-token prefill 1.4% faster at full clock and 5% faster in the slower phase
-    a sustained run settles into, the fused-writeback form unchanged (+-0.2%), against 2
-    stages (bench/notes.md, v14); page pairs keep 2 stages of two pages."""
+    on one 8192-token prefill 0.5-1.6% faster at full clock and 4-7% faster in the slower
+    phase a sustained run settles into, the fused-writeback form unchanged (+-0.2%),
+    against 2 stages (bench/notes.md, v14); page pairs keep 2 stages of two pages."""
     c = _check_consumers(consumers)
     if c == 1 and page_size > PAGE_SIZE:
         return 1

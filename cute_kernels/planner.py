@@ -67,8 +67,9 @@ _MAX_SPLIT_EVALS = 3
 _MAX_LPT_ROUNDS = 64
 _MAX_FILL_CLASSES = 24
 _BIG_FRAC = 1.0 / 16.0  # items above this fraction of the mean load go through exact LPT
-# refinement of the chosen assignment (``_refine``): at most this many move/swap rounds,
-# stopping once the costliest CTA is within _REFINE_TOL of the mean
+# refinement of the chosen assignment (``_refine``): at most _REFINE_ROUNDS move/swap
+# rounds, stopping once the costliest CTA is within _REFINE_TOL of max(mean, costliest
+# item) or after _REFINE_STALL rounds that leave the maximum where it was
 _REFINE_ROUNDS = 64
 _REFINE_TOL = 1e-3
 _REFINE_STALL = 8
@@ -388,7 +389,7 @@ def _refine(costs: np.ndarray, cta: np.ndarray, num_ctas: int,
     the lowest index, so the result is deterministic.  The water fill of ``_balance``
     leaves up to ~1-3% between the costliest CTA and the mean on prefill plans (e.g. 1.2%
     on one 8192-token prefill at 28/4 heads, 128-row tiles, against 0.3% for exact LPT);
-    this closes most of it in well under a millisecond."""
+    this closes most of it in about a millisecond on the largest plans."""
     cta = cta.copy()
     if costs.shape[0] <= 1 or num_ctas <= 1:
         return cta
