@@ -153,3 +153,27 @@ def test_preempt_fp32_children_run_without_tf32(monkeypatch):
     (_, fp32), (_, auto) = _FakePopen.seen
     assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["NVIDIA_TF32_OVERRIDE"] == "0"
     assert "TRITON_F32_DEFAULT" not in auto
+
+
+def test_sched_cost_script_times_both_policies(tmp_path):
+    """scripts/kv_tier_sched_cost.py drives vLLM's scheduler with the Ion manager under
+    both policies: eager stores decode blocks (many more store jobs than prompt-only),
+    and every timing it reports is positive."""
+    out = tmp_path / "runs.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "kv_tier_sched_cost.py")
+    r = subprocess.run([sys.executable, script,
+                        "--requests", "4", "--prompt", "64", "--gen", "80", "--repeats", "1",
+                        "--out", str(out)], capture_output=True, text=True, env=env,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = json.loads(out.read_text())
+    eager, prompt_only = runs
+    assert (eager["prompt_only"], prompt_only["prompt_only"]) == (False, True)
+    # 4 requests x 80 generated tokens = 20 decode blocks of 16 tokens stored only eagerly
+    assert eager["store_jobs"] >= prompt_only["store_jobs"] + 16
+    for run in runs:
+        assert run["steps"] >= 80 and run["schedule_us"] > 0 and run["update_us"] > 0
+        assert run["manager_us_per_step"]["prepare_store"] > 0
+    assert "eager" in r.stdout and "prompt-only" in r.stdout
