@@ -1,7 +1,8 @@
 """Helpers shared by the GPU tests of the attention kernel (imported by test modules; this
 file holds no tests): random mixed batches, the NaN-poison + fp32-reference output check,
 a planner cost model that forces split-KV, the GQA head shapes to sweep, a paged case with
-its reference, plans with or without forced splits, and a checked launch."""
+its reference (with the step's new K/V for the fused-writeback call), plans with or without
+forced splits, and checked launches."""
 
 from __future__ import annotations
 
@@ -114,6 +115,63 @@ def reference_case(seed, q_lens, seq_lens, *, hq: int, hkv: int, d: int, dtype, 
                          sl.cpu().numpy())
 
 
+@dataclass
+class FusedReferenceCase(ReferenceCase):
+    """A ``ReferenceCase`` for the fused-writeback call: the step's new K/V (``key`` /
+    ``value``, fresh random values), the caches the reference append makes of them
+    (``ref_k`` / ``ref_v``) and the reference output over those; ``page`` is the cache's
+    page size."""
+    key: torch.Tensor
+    value: torch.Tensor
+    ref_k: torch.Tensor
+    ref_v: torch.Tensor
+    page: int
+
+
+def fused_reference_case(seed, key_seed, q_lens, seq_lens, *, hq: int, hkv: int, d: int,
+                         dtype, page: int, pad_rows: int = 0,
+                         device="cuda") -> FusedReferenceCase:
+    """Fresh random paged inputs (``make_paged_case(seed, ...)``) plus the step's new K/V
+    drawn on the CPU from ``torch.Generator().manual_seed(key_seed)``, appended by the
+    reference into copies of the caches; the reference output attends over those."""
+    from cute_kernels.reference import (
+        default_softmax_scale,
+        make_paged_case,
+        new_token_slot_mapping,
+        reference_kv_append,
+        reference_paged_attention,
+        written_rows_mask,
+    )
+
+    q, k_cache, v_cache, qsl, sl, bt = make_paged_case(
+        seed, q_lens, seq_lens, hq, hkv, d, page=page, dtype=dtype, device=device,
+        pad_rows=pad_rows)
+    total_q = q.shape[0]
+    gen = torch.Generator().manual_seed(key_seed)
+    key = torch.randn(total_q, hkv, d, generator=gen).to(device, dtype)
+    value = torch.randn(total_q, hkv, d, generator=gen).to(device, dtype)
+    scale = default_softmax_scale(d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, ref_k, ref_v,
+                        new_token_slot_mapping(qsl, sl, bt, page, total_q=total_q))
+    ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+    return FusedReferenceCase(q, k_cache, v_cache, qsl, sl, bt, scale, ref,
+                              written_rows_mask(qsl, sl, total_q), qsl.cpu().numpy(),
+                              sl.cpu().numpy(), key, value, ref_k, ref_v, page)
+
+
+def check_cache_written(case: FusedReferenceCase) -> None:
+    """The caches equal the reference append at every position < seq_len of every request
+    (bit for bit)."""
+    bt_h = case.block_table.cpu()
+    P = case.page
+    for b, L in enumerate(case.sl_h.tolist()):
+        for pos in range(L):
+            blk, row = int(bt_h[b, pos // P]), pos % P
+            assert torch.equal(case.k_cache[blk, :, row], case.ref_k[blk, :, row]), (b, pos)
+            assert torch.equal(case.v_cache[blk, :, row], case.ref_v[blk, :, row]), (b, pos)
+
+
 def device_plan(qsl_h, sl_h, *, hkv: int, group_size: int, head_dim: int, page: int = 64,
                 force_split: bool = False, device="cuda", **plan_options):
     """``make_device_plan`` with the ``CHEAP_SPLIT`` cost model when ``force_split`` (most
@@ -139,6 +197,23 @@ def launch_checked(case: ReferenceCase, plan, what: str, attention=None) -> torc
     if out.is_cuda:
         torch.cuda.synchronize(out.device)
     check_out(out, case.ref, case.mask, what)
+    return out
+
+
+def launch_fused_checked(case: FusedReferenceCase, plan, what: str,
+                         attention=None) -> torch.Tensor:
+    """The fused-writeback launch of ``plan`` on ``case`` (``key=`` / ``value=``) into a
+    NaN-poisoned output: ``check_out`` against the reference, then ``check_cache_written``.
+    Returns the output; ``attention`` as for ``launch_checked``."""
+    if attention is None:
+        from cute_kernels.attention import ion_attention as attention
+    out = torch.full_like(case.q, float("nan"))
+    attention(case.q, case.k_cache, case.v_cache, out, case.qsl, case.seq_lens,
+              case.block_table, case.scale, plan=plan, key=case.key, value=case.value)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    check_out(out, case.ref, case.mask, what)
+    check_cache_written(case)
     return out
 
 

@@ -19,25 +19,18 @@ import numpy as np
 import pytest
 import torch
 
-from cute_kernels.reference import (
-    default_softmax_scale,
-    make_paged_case,
-    new_token_slot_mapping,
-    reference_kv_append,
-    reference_paged_attention,
-    written_rows_mask,
-)
 
 from paged_gpu_checks import (
     HEAD_IDS,
     HEADS,
     check_agree,
     device_plan,
+    fused_reference_case,
     launch_checked,
+    launch_fused_checked,
     random_mixed_batch,
     reference_case,
 )
-from paged_gpu_checks import check_out as _check_out
 
 P = 64
 
@@ -107,41 +100,20 @@ def test_kv_pair_long_prefill_g7():
 @pytest.mark.parametrize("force_split", [False, True], ids=["plain", "split"])
 @pytest.mark.parametrize("unpacked", [False, True], ids=["packed", "unpacked"])
 def test_kv_pair_fused_writeback(unpacked, force_split):
-    from cute_kernels.attention import ion_attention
-
     hq, hkv, d, dtype = 28, 4, 128, torch.bfloat16
     g = hq // hkv
     # contexts 37, 0, 1 and 70 (fresh tiles straddle pages), 3-page decode rows, a row with
     # 0 new tokens, a chunk of 3 fresh tiles (odd: the last stage holds a copy)
     q_lens = [1, 256, 0, 192, 3, 64, 130, 1]
     seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1, 130 + 70, 150]
-    case = make_paged_case(21 + unpacked + 2 * force_split, q_lens, seq_lens, hq, hkv, d,
-                           page=P, dtype=dtype, device="cuda", pad_rows=2)
-    q, k_cache, v_cache, qsl, sl, bt = case
-    total_q = q.shape[0]
-    gen = torch.Generator().manual_seed(22 + unpacked + 2 * force_split)
-    key = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
-    value = torch.randn(total_q, hkv, d, generator=gen).to("cuda", dtype)
-    scale = default_softmax_scale(d)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference_kv_append(key, value, ref_k, ref_v,
-                        new_token_slot_mapping(qsl, sl, bt, P, total_q=total_q))
-    ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
-    mask = written_rows_mask(qsl, sl, total_q)
-    dp = _device_plan(qsl.cpu().numpy(), sl.cpu().numpy(), hkv, g, d, kv_pair=True,
+    case = fused_reference_case(21 + unpacked + 2 * force_split, 22 + unpacked + 2 * force_split,
+                                q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
+                                pad_rows=2)
+    dp = _device_plan(case.qsl_h, case.sl_h, hkv, g, d, kv_pair=True,
                       unpacked=unpacked, fresh_kv=True, force_split=force_split)
     assert dp.kv_pair and dp.fresh_kv
     w = dp.host.work
     assert ((w[:, 5] - w[:, 4]) % 2 == 1).any(), "no odd unit count"
     if force_split:
         assert (w[:, 7] > 1).any(), "split-KV not exercised"
-    out = torch.full_like(q, float("nan"))
-    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp, key=key, value=value)
-    torch.cuda.synchronize()
-    _check_out(out, ref, mask, "fused, kv_pair")
-    bt_h = bt.cpu()
-    for b, L in enumerate(seq_lens):
-        for pos in range(L):
-            blk, row = int(bt_h[b, pos // P]), pos % P
-            assert torch.equal(k_cache[blk, :, row], ref_k[blk, :, row]), (b, pos)
-            assert torch.equal(v_cache[blk, :, row], ref_v[blk, :, row]), (b, pos)
+    launch_fused_checked(case, dp, "fused, kv_pair")
