@@ -289,11 +289,10 @@ def test_pairs_are_refused_where_not_implemented():
     assert dp.kv_pair and dp.tile_m == 128
 
 
-def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
-    """With kv_pair, every 128-row kernel precompiled is a page-pair one (the backend's
-    128-row plans all carry kv_pair) and no 64-row one is; without it, none is."""
-    import torch
-
+def record_precompile(monkeypatch) -> list:
+    """Stub out every compile ``attention.precompile`` triggers; the returned list collects
+    (kind, unpacked, consumers, lazy, kv_pair, kv_stages) of each attention kernel it asks
+    for (kind "attn" or "fused")."""
     from cute_kernels import append_sm90
 
     calls = []
@@ -302,6 +301,15 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
                         lambda *a: calls.append(("fused",) + a[1:]))
     monkeypatch.setattr(attention, "_compiled_combine", lambda *a: None)
     monkeypatch.setattr(append_sm90, "_compiled_kernel", lambda *a: None)
+    return calls
+
+
+def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
+    """With kv_pair, every 128-row kernel precompiled is a page-pair one (the backend's
+    128-row plans all carry kv_pair) and no 64-row one is; without it, none is."""
+    import torch
+
+    calls = record_precompile(monkeypatch)
     for kv_pair in (True, False):
         calls.clear()
         attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,

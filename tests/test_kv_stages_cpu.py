@@ -149,14 +149,9 @@ def test_launch_picks_the_deep_kernel(monkeypatch):
 def test_precompile_builds_the_asked_depth_for_128_row_plans_only(monkeypatch):
     import torch
 
-    from cute_kernels import append_sm90
+    from test_kv_pair_cpu import record_precompile
 
-    calls = []
-    monkeypatch.setattr(attention, "_compiled", lambda *a: calls.append(("attn",) + a[1:]))
-    monkeypatch.setattr(attention, "_compiled_fused",
-                        lambda *a: calls.append(("fused",) + a[1:]))
-    monkeypatch.setattr(attention, "_compiled_combine", lambda *a: None)
-    monkeypatch.setattr(append_sm90, "_compiled_kernel", lambda *a: None)
+    calls = record_precompile(monkeypatch)
     attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                          consumers=(1, 2), lane_combine=True, kv_stages=2)
     assert sorted(calls) == sorted(
