@@ -58,8 +58,7 @@ def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen:
     eng = T.Engine(model_dir, gpu_blocks=requests * ((prompt + gen) // T.BS + 2) + 64,
                    host_blocks=requests * ((prompt + gen) // T.BS + 2), max_num_seqs=requests,
                    max_batched=max(2048, requests), extra=extra, store_lag=1)
-    times = {"schedule": [], "update": []}
-    mgr_s = {m: 0.0 for m in MANAGER_METHODS}
+    times = {name: [] for name in ("schedule", "update", *MANAGER_METHODS)}
 
     def timed(fn, bucket):
         def wrap(*a, **k):
@@ -70,20 +69,11 @@ def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen:
                 bucket.append(time.perf_counter() - t)
         return wrap
 
-    def timed_mgr(name, fn):
-        def wrap(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                mgr_s[name] += time.perf_counter() - t
-        return wrap
-
     eng.sched.schedule = timed(eng.sched.schedule, times["schedule"])
     eng.sched.update_from_output = timed(eng.sched.update_from_output, times["update"])
     for m in MANAGER_METHODS:
         if hasattr(eng.mgr, m):
-            setattr(eng.mgr, m, timed_mgr(m, getattr(eng.mgr, m)))
+            setattr(eng.mgr, m, timed(getattr(eng.mgr, m), times[m]))
     reqs = [eng.add(f"r{i}", T._prompt(seed + i, prompt), gen) for i in range(requests)]
     eng.run_to_completion(*reqs)
     n = len(times["schedule"])
@@ -93,7 +83,7 @@ def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen:
         "steps": n,
         "schedule_us": statistics.median(times["schedule"][k:]) * 1e6,
         "update_us": statistics.median(times["update"][k:]) * 1e6,
-        "manager_us_per_step": {m: v / n * 1e6 for m, v in mgr_s.items()},
+        "manager_us_per_step": {m: sum(times[m]) / n * 1e6 for m in MANAGER_METHODS},
         "store_jobs": sum(len(m.store_jobs) for _, _, m in eng.outputs),
     }
 
