@@ -27,6 +27,11 @@ K/V pipeline depth: the 128-row kernels over 64-token pages run 4 K/V stages
 (``kv_stages_for``); a ``tile_m=128`` plan made with ``kv_stages=2`` or ``3``
 (``DevicePlan.kv_stages``) runs on ``IonAttentionSm90(consumers=2, kv_stages=n)`` instead
 (2: the depth before 2026-12-02, for A/B runs; ``None``: the default).
+
+Warpgroup ping-pong: a ``tile_m=128`` plan made with ``pingpong=True``
+(``DevicePlan.pingpong``) runs on ``IonAttentionSm90(consumers=2, pingpong=True)``, whose
+two consumer warpgroups issue their MMAs in turns (``check_pingpong``; ``None``: the
+default, ``PINGPONG_DEFAULT``).
 """
 
 from __future__ import annotations
@@ -165,6 +170,33 @@ def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
     return None if n == kv_stages_for(2, page_size) else n
 
 
+#: whether the 128-row (consumers=2) kernels run warpgroup ping-pong by default
+#: (``IonAttentionSm90(pingpong=...)``: the two consumer warpgroups take turns issuing their
+#: MMAs through two named barriers, as FA3 does; bench/notes.md, v15)
+PINGPONG_DEFAULT = False
+
+
+def check_pingpong(pingpong, consumers: int):
+    """``pingpong`` as a kernel will use it: ``None`` keeps ``PINGPONG_DEFAULT``; ``True`` is
+    accepted on the 128-row (consumers=2) kernels only (it alternates their two consumer
+    warpgroups); the default value, and False on a 64-row kernel, come back as None (one
+    compiled kernel, not two)."""
+    if pingpong is None:
+        return None
+    pp = bool(pingpong)
+    if _check_consumers(consumers) != 2:
+        if pp:
+            raise ValueError("pingpong alternates the two consumer warpgroups of the 128-row "
+                             f"(tile_m=128) kernels, got consumers={consumers}")
+        return None
+    return None if pp == PINGPONG_DEFAULT else pp
+
+
+def _pingpong(pingpong) -> bool:
+    """The kernel's ``pingpong`` for a checked option (``check_pingpong``)."""
+    return PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
+
+
 def _c2_stages(variant: Variant, kv_pair: bool) -> int:
     """Default K/V stages of a consumers=2 kernel: page pairs hold two pages per stage on 2
     stages (the same shared memory as 4 single-page stages)."""
@@ -172,24 +204,28 @@ def _c2_stages(variant: Variant, kv_pair: bool) -> int:
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
+                lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
+                pingpong=None):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
     two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
     ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results);
     ``kv_pair``: two pages per K/V stage (``consumers=2`` only; same arguments);
-    ``kv_stages``: K/V pipeline depth of a ``consumers=2`` kernel (``check_kv_stages``)."""
+    ``kv_stages``: K/V pipeline depth of a ``consumers=2`` kernel (``check_kv_stages``);
+    ``pingpong``: warpgroup ping-pong of a ``consumers=2`` kernel (``check_pingpong``)."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
+    pp = check_pingpong(pingpong, consumers)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or _c2_stages(variant, kv_pair))
+                                kv_stages=stages or _c2_stages(variant, kv_pair),
+                                pingpong=_pingpong(pp))
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -203,23 +239,26 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                      lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
+                      lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
+                      pingpong=None):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
     ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
-    variant (``consumers=2`` only); ``kv_stages``: as for ``make_kernel``."""
+    variant (``consumers=2`` only); ``kv_stages``, ``pingpong``: as for ``make_kernel``."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
+    pp = check_pingpong(pingpong, consumers)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or _c2_stages(variant, kv_pair)).fused
+                                kv_stages=stages or _c2_stages(variant, kv_pair),
+                                pingpong=_pingpong(pp)).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
@@ -281,24 +320,26 @@ fake_args = _fake_args
 
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
-              lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
+              lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
+              pingpong=None):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair,
-                                        kv_stages),
+                                        kv_stages, pingpong),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
-                    lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None):
+                    lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
+                    pingpong=None):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
-                                              kv_pair, kv_stages),
+                                              kv_pair, kv_stages, pingpong),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -345,7 +386,7 @@ class DevicePlan:
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
-                 kv_pair: bool = False, kv_stages=None):
+                 kv_pair: bool = False, kv_stages=None, pingpong=None):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -363,6 +404,9 @@ class DevicePlan:
         #: 2 or 3 on 128-row plans only, for A/B runs: see ``check_kv_stages``)
         self.kv_stages = check_kv_stages(kv_stages, self.consumers, self.page_size,
                                          self.kv_pair)
+        #: warpgroup ping-pong of the 128-row kernels that run these plans (None: the
+        #: default, ``PINGPONG_DEFAULT``; see ``check_pingpong``)
+        self.pingpong = check_pingpong(pingpong, self.consumers)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -459,7 +503,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      tile_m: int = 64, cost_model=None,
                      row_combine: bool = False, lazy_rescale: bool = False,
                      pdl_combine: bool = False, lane_combine: bool = False,
-                     kv_pair: bool = False, kv_stages=None,
+                     kv_pair: bool = False, kv_stages=None, pingpong=None,
                      refine_balance: bool = True) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
@@ -481,6 +525,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``kv_pair=True`` (``tile_m=128`` only): the page-pair kernels run the plan.
     ``kv_stages=2`` or ``3`` (``tile_m=128`` only): kernels with that many K/V stages
     instead of the default 4.
+    ``pingpong=True`` / ``False`` (``tile_m=128`` only): the kernels with / without
+    warpgroup ping-pong (``None``: ``PINGPONG_DEFAULT``).
     ``refine_balance=False``: the planner without its final local search (``planner.plan``
     ``refine``), for A/B runs."""
     import numpy as np
@@ -503,7 +549,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                    lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages)
+                    lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
+                    pingpong=pingpong)
     return dp.upload(p)
 
 
@@ -634,13 +681,14 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     lazy = bool(getattr(plan, "lazy_rescale", False))
     kv_pair = bool(getattr(plan, "kv_pair", False))
     stages = getattr(plan, "kv_stages", None)
+    pp = getattr(plan, "pingpong", None)
     if fused:
-        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages, pp)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -657,7 +705,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
-               kv_pair: bool = False, kv_stages=None) -> None:
+               kv_pair: bool = False, kv_stages=None, pingpong=None) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -669,6 +717,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``lane_combine``: the split-parallel combine kernel (plans with ``lane_combine=True``).
     ``kv_pair``: the 128-row kernels' page-pair variants (plans with ``kv_pair=True``).
     ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
+    ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -680,9 +729,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         # with kv_pair every 128-row plan runs the page-pair kernels, so only those
         pair = bool(kv_pair) and c == 2
         stages = check_kv_stages(kv_stages, c, page_size, pair) if c == 2 else None
+        pp = check_pingpong(pingpong, c) if c == 2 else None
         for u in (False, True) if unpacked else (False,):
-            _compiled(variant, u, c, lz, pair, stages)
+            _compiled(variant, u, c, lz, pair, stages, pp)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair, stages)
+                _compiled_fused(variant, u, c, lz, pair, stages, pp)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

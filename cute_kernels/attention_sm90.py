@@ -73,6 +73,19 @@ its halves on the stage's one barrier, so S = Q K^T covers 128 keys (m64n128k16 
 the softmax reductions, O rescale and pipeline waits run once per 128 keys.  An item with
 an odd page count loads its last page into both halves; the consumer masks keys past
 ``min(seq_len, p1 * P)``, which drops the copy.
+
+Warpgroup ping-pong (``pingpong=True``, consumers=2 only; with False the generated code is
+the kernel above): the two consumer warpgroups take turns issuing their MMAs, through two
+named barriers (ids ``PINGPONG_BARRIER``, ``+1``; 256 threads each).  Warpgroup ``w``
+waits on barrier ``w - 1`` before it issues the S = Q K^T of an item's first page and
+before each steady-state S_p + O += P_{p-1} V_{p-1} pair, and arrives on the other
+warpgroup's barrier right after issuing; warpgroup 1 arrives on its own barrier once at
+start, so it goes first.  The final O += P V of an item is outside the turn.  Both
+warpgroups walk the same items and pages, so every wait is matched by one arrive.  The
+effect: the tensor cores see one warpgroup's MMAs, then the other's, and each warpgroup's
+softmax runs while the other's MMAs execute, instead of both warpgroups drifting into
+issuing (and waiting) together.  FA3 on Hopper does the same (its "warp scheduler
+barriers").
 """
 
 from __future__ import annotations
@@ -89,6 +102,9 @@ TILE_M = 64
 #: log2 units of the scaled score (P <= 2^8 in between; the threshold FA4 uses)
 LAZY_RESCALE_LOG2 = 8.0
 LOG2_E = 1.4426950408889634
+#: pingpong: first of the two named-barrier ids the consumer warpgroups take turns on
+#: (id 0 is the CTA-wide barrier; no other named barrier is used)
+PINGPONG_BARRIER = 1
 
 # work-list columns (docs/contract.md)
 W_REQ, W_HEAD, W_QSTART, W_QLEN, W_P0, W_P1, W_SPLIT, W_NSPLIT, W_QHEAD = range(9)
@@ -105,7 +121,7 @@ class IonAttentionSm90:
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
                  fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
-                 lazy_rescale: bool = False, kv_pair: bool = False):
+                 lazy_rescale: bool = False, kv_pair: bool = False, pingpong: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -184,6 +200,12 @@ class IonAttentionSm90:
             if page_size != 64 or kv_stages != 2:
                 raise ValueError("kv_pair pairs 64-token pages on two K/V stages, got "
                                  f"page_size={page_size}, kv_stages={kv_stages}")
+        # warpgroup ping-pong (module docstring): the two consumer warpgroups issue their MMAs
+        # in turns.  Compile-time: with False the generated code is unchanged.
+        self.pingpong = bool(pingpong)
+        if self.pingpong and consumers != 2:
+            raise ValueError("pingpong alternates two consumer warpgroups: it needs "
+                             f"consumers=2, got consumers={consumers}")
         #: pages per K/V stage and keys per S tile
         self.pages_per_tile = 2 if self.kv_pair else 1
         self.kv_tile = page_size * self.pages_per_tile
@@ -799,6 +821,11 @@ class IonAttentionSm90:
             row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
             row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
             corr = cute.make_rmem_tensor((2,), cutlass.Float32)
+            if cutlass.const_expr(self.pingpong):
+                # consumer warpgroup 1 holds the first turn
+                if q_half == 0:
+                    cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER,
+                                             number_of_threads=256)
 
             for it in cutlass.range(item_begin, item_end, 1, unroll=1):
                 b = mWork[it, W_REQ]
@@ -856,7 +883,9 @@ class IonAttentionSm90:
                     q_buf = q_handle.index * 2 + q_half
                 # first page: S = Q K^T, softmax -> P
                 k_handle = k_cons.wait_and_advance()
+                self._turn_wait(q_half)
                 self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
+                self._turn_pass(q_half)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
                 # kv_pair: keys past the item's last page (the copy in an odd last stage)
@@ -879,9 +908,11 @@ class IonAttentionSm90:
                 for p in cutlass.range(p0 + self.pages_per_tile, p1, self.pages_per_tile,
                                        unroll=1):
                     k_handle = k_cons.wait_and_advance()
+                    self._turn_wait(q_half)
                     self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                     v_handle = v_cons.wait_and_advance()
                     self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+                    self._turn_pass(q_half)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
                     if cutlass.const_expr(self.fresh_kv and self.kv_pair):
@@ -989,6 +1020,20 @@ class IonAttentionSm90:
         for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
             cute.gemm(pv_mma, acc_o, rP[(None, None, kb)], tOrV[(None, None, kb, v_stage)], acc_o)
         cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _turn_wait(self, q_half):
+        """pingpong: wait until the other consumer warpgroup has issued its MMAs (barrier
+        ``PINGPONG_BARRIER + q_half`` completes with its arrive); no code otherwise."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER + q_half, number_of_threads=256)
+
+    @cute.jit
+    def _turn_pass(self, q_half):
+        """pingpong: hand the turn to the other consumer warpgroup (arrive on its barrier)."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - q_half,
+                                     number_of_threads=256)
 
     @cute.jit
     def _mask(self, acc_s, tScS, kv0, pos0, seq_len, shift=None):

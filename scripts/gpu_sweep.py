@@ -264,7 +264,8 @@ FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_l
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
               unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
               lazy_rescale: bool = False, pdl_combine: bool = False,
-              lane_combine: bool = False, kv_pair: bool = False, kv_stages=None):
+              lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
+              pingpong=None):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     from cute_kernels.attention import make_device_plan
@@ -276,7 +277,8 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
                             fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m,
                             cost_model=cm, row_combine=row_combine,
                             lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                            lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages)
+                            lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
+                            pingpong=pingpong)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -305,7 +307,8 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
              impl=None, path: str = "append", force_split: bool = False,
              unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
              lazy_rescale: bool = False, pdl_combine: bool = False,
-             lane_combine: bool = False, kv_pair: bool = False, kv_stages=None) -> Dict:
+             lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
+             pingpong=None) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -337,7 +340,8 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
                          unpacked=unpacked, tile_m=tile_m, row_combine=row_combine,
                          lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                         lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages)
+                         lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
+                         pingpong=pingpong)
         res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
@@ -497,12 +501,20 @@ def parse_args(argv=None):
     ap.add_argument("--kv-stages", type=int, default=None,
                     help="K/V pipeline stages of the 128-row kernels (2 or 3 instead of the "
                          "default 4; needs --tile-m 128)")
+    ap.add_argument("--pingpong", choices=("on", "off"), default=None,
+                    help="warpgroup ping-pong on the 128-row kernels (default: the kernels' "
+                         "default, attention.PINGPONG_DEFAULT; needs --tile-m 128)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     ap.add_argument("--quiet", action="store_true", help="no per-case lines")
     return ap.parse_args(argv)
+
+
+def _pingpong_arg(value):
+    """``--pingpong on|off`` as the plan option (None: the kernels' default)."""
+    return None if value is None else value == "on"
 
 
 def main(argv=None) -> int:
@@ -536,7 +548,8 @@ def main(argv=None) -> int:
                          unpacked=args.unpacked_prefill, tile_m=args.tile_m,
                          row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
                          pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
-                         kv_pair=args.kv_pair, kv_stages=args.kv_stages)
+                         kv_pair=args.kv_pair, kv_stages=args.kv_stages,
+                         pingpong=_pingpong_arg(args.pingpong))
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -552,7 +565,7 @@ def main(argv=None) -> int:
                    unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
                    row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
                    pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
-                   kv_pair=args.kv_pair, kv_stages=args.kv_stages,
+                   kv_pair=args.kv_pair, kv_stages=args.kv_stages, pingpong=args.pingpong,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),

@@ -14,6 +14,7 @@
 # no two processes write one cache). Step 3 times kernels and always runs alone, afterwards.
 # KVAL_STEP_S caps each correctness step (default 600 s), KVAL_BENCH_S the A/B (600 s).
 # KVAL_STEPS (space-separated step names) runs a subset; KVAL_BACKENDS sets the A/B's backends.
+# KVAL_PYTEST_SHARDS=N splits pytest-gpu over N processes (it is CPU-compile bound).
 # Each step has its own time limit and the script keeps going after a failure.
 # Run it on the GPU host with the project installed and CuTeDSL + vLLM importable.
 #   scripts/kernel_validation.sh OUT_DIR [CASES]
@@ -51,9 +52,17 @@ pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
      tests/test_fused_writeback_gpu.py tests/test_unpacked_prefill_gpu.py
      tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
      tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
-     tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py tests/test_kv_stages_gpu.py"}
+     tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py tests/test_kv_stages_gpu.py
+     tests/test_pingpong_gpu.py"}
+# KVAL_PYTEST_SHARDS=N runs pytest-gpu as N pytest processes side by side
+# (scripts/pytest_gpu_shards.sh; logs $out/pytest-gpu-shard.<i>.log)
+if [ "${KVAL_PYTEST_SHARDS:-1}" -gt 1 ]; then
+  pytest_cmd="bash scripts/pytest_gpu_shards.sh $KVAL_PYTEST_SHARDS $out/pytest-gpu-shard $pytest_files"
+else
+  pytest_cmd="python3 -m pytest -m gpu -q -p no:cacheprovider $pytest_files"
+fi
 checks=(
-  "pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider $pytest_files"
+  "pytest-gpu $pytest_cmd"
   "sweep-append python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --out $out/sweep-append"
   "sweep-fused python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet --path fused
      --out $out/sweep-fused"
@@ -87,6 +96,12 @@ checks=(
   "sweep-fuseds2 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --path fused --tile-m 128 --unpacked-prefill --lane-combine --kv-stages 2
      --force-split-every 2 --out $out/sweep-fuseds2"
+  "sweep-pp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 128 --unpacked-prefill --lane-combine --pingpong on --force-split-every 2
+     --out $out/sweep-pp"
+  "sweep-fusedpp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 128 --unpacked-prefill --lane-combine --pingpong on
+     --force-split-every 2 --out $out/sweep-fusedpp"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -109,7 +124,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
     sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
-    sweep-s2 sweep-fuseds2 bench-anchors; do
+    sweep-s2 sweep-fuseds2 sweep-pp sweep-fusedpp bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -120,7 +135,7 @@ lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
              "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
-             "sweep-fusedkp", "sweep-s2", "sweep-fuseds2"):
+             "sweep-fusedkp", "sweep-s2", "sweep-fuseds2", "sweep-pp", "sweep-fusedpp"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -31,6 +31,7 @@ from .kernel_suite import Case, flops, min_bytes, rotations
 BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "ion-auto-lr",
             "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
             "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
+            "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
             "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
@@ -498,6 +499,39 @@ def prepare_ion_auto_fused_wf(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion_auto_fused(case, rot, device, shared, refine_balance=False)
 
 
+def _pingpong_option(case: Case, on: bool) -> dict:
+    """Plan option of the ping-pong A/B backends: ``pingpong=on`` on 128-row plans (the
+    only kernels that have it), nothing on 64-row ones (they run ``ion-auto``'s kernels)."""
+    return {"pingpong": on} if auto_plan_options(case)["tile_m"] == 128 else {}
+
+
+def prepare_ion_auto_pp(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with warpgroup ping-pong on its 128-row tiles (``pingpong=True`` plans,
+    kernel ``IonAttentionSm90(consumers=2, pingpong=True)``): the two consumer warpgroups
+    take turns issuing their MMAs through two named barriers, so one warpgroup's softmax
+    runs under the other's MMAs (FA3's warp scheduler barriers).  Steps that
+    ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), **_pingpong_option(case, True)))
+
+
+def prepare_ion_auto_fused_pp(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` with warpgroup ping-pong on its 128-row tiles."""
+    return prepare_ion_auto_fused(case, rot, device, shared, **_pingpong_option(case, True))
+
+
+def prepare_ion_auto_np(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` without warpgroup ping-pong on its 128-row tiles (``pingpong=False``):
+    the other side of the A/B, whatever ``attention.PINGPONG_DEFAULT`` is."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), **_pingpong_option(case, False)))
+
+
+def prepare_ion_auto_fused_np(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` without warpgroup ping-pong on its 128-row tiles."""
+    return prepare_ion_auto_fused(case, rot, device, shared, **_pingpong_option(case, False))
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -506,6 +540,8 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-fused-kp": prepare_ion_auto_fused_kp,
            "ion-auto-s2": prepare_ion_auto_s2, "ion-auto-fused-s2": prepare_ion_auto_fused_s2,
            "ion-auto-fused-wf": prepare_ion_auto_fused_wf,
+           "ion-auto-pp": prepare_ion_auto_pp, "ion-auto-fused-pp": prepare_ion_auto_fused_pp,
+           "ion-auto-np": prepare_ion_auto_np, "ion-auto-fused-np": prepare_ion_auto_fused_np,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
