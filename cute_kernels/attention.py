@@ -172,7 +172,9 @@ def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
 
 #: whether the 128-row (consumers=2) kernels run warpgroup ping-pong by default
 #: (``IonAttentionSm90(pingpong=...)``: the two consumer warpgroups take turns issuing their
-#: MMAs through two named barriers, as FA3 does; bench/notes.md, v15)
+#: MMAs through two named barriers, as FA3 does).  Off: on the H200 (2026-12-02,
+#: bench/notes.md v15) it is correct (GPU tests, 500/500 sweep) but one 8192-token prefill
+#: ran 2.0-3.3% slower on the attention-only kernel and 4.3-5.2% slower fused.
 PINGPONG_DEFAULT = False
 
 
