@@ -82,11 +82,11 @@ before each steady-state S_p + O += P_{p-1} V_{p-1} pair, and arrives on the oth
 warpgroup's barrier right after issuing; warpgroup 1 arrives on its own barrier once at
 start, so it goes first.  The final O += P V of an item is outside the turn.  Both
 warpgroups walk the same items and pages, so every wait is matched by one arrive.  The
-effect: the tensor cores see one warpgroup's MMAs, then the other's, and each warpgroup's
-softmax runs while the other's MMAs execute, instead of both warpgroups drifting into
-issuing (and waiting) together.  FA3 on Hopper does the same (its "warp scheduler
-barriers").  An experiment: on the H200 it is correct and 2-5% slower on prefill
-(``attention.PINGPONG_DEFAULT``).
+intent, as in FA3 on Hopper (its "warp scheduler barriers"): the tensor cores see one
+warpgroup's MMAs, then the other's, and each warpgroup's softmax runs while the other's
+MMAs execute.  An experiment: on the H200 it is correct and 2-5% slower on prefill, so the
+warpgroups were not stalling in lockstep without it (``attention.PINGPONG_DEFAULT``;
+bench/notes.md, v15).
 """
 
 from __future__ import annotations

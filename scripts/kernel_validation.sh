@@ -7,7 +7,8 @@
 #      128-row tiles on two consumer warpgroups (with unpacked prefill), the row-parallel
 #      split-KV combine (every 2nd case forced to split), the lazy-rescaling kernels, and the
 #      combine launched by programmatic dependent launch (workspace NaN-poisoned), and fused
-#      writeback on 128-row tiles, and the split-parallel combine;
+#      writeback on 128-row tiles, and the split-parallel combine, and the experiments on
+#      128-row tiles (page pairs, two K/V stages, warpgroup ping-pong), plain and fused;
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
