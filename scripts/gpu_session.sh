@@ -33,7 +33,8 @@
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
 # kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, AGREE_MODES (default
-# "default FULL"), AGREE_ARGS, MODEL, TINY_MODEL.
+# "default FULL"), AGREE_ARGS, MODEL, DEMO_MODEL, TINY_MODEL.
+# Preflight: exits 3 (steps.txt says why) when a step's imports (vllm, cutlass) are missing.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
 # Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
@@ -48,7 +49,9 @@ if [ -z "${ION_SESSION_SNAPSHOT:-}" ]; then
   tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$snap" -xf -
   ION_SESSION_SNAPSHOT=$snap exec bash "$snap/scripts/gpu_session.sh" "$out"
 fi
-model=${MODEL:-/tmp/ion-demo}
+# MODEL: the served model; unset, the offline demo model at DEMO_MODEL (default
+# /tmp/ion-demo), made by scripts/make_demo_model.py when missing
+model=${MODEL:-${DEMO_MODEL:-/tmp/ion-demo}}
 tiny=${TINY_MODEL:-/tmp/tiny}
 steps=${SESSION_STEPS:-kbench preempt e2e kvtier}
 : > "$out/steps.txt"
@@ -63,6 +66,26 @@ step() {  # step NAME SECONDS CMD...
     > "$out/$name.log"
   mark "$name" "rc=${PIPESTATUS[0]}"
 }
+
+# Preflight: a device call that fails inside a step costs its start-up minutes, so check
+# first that what the steps import is there (on the GPU host: `. .gpu/cute/env.sh`, with
+# .gpu/cute carried, after the vLLM bundle was staged), and make the demo model if a step
+# serves it and it is missing.
+need_vllm=0
+need_cute=0
+for s in kvgpu copy preempt e2e kvtier share agree; do want "$s" && need_vllm=1; done
+for s in kbench kval e2e kvtier share agree; do want "$s" && need_cute=1; done
+missing=
+[ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
+[ "$need_cute" = 1 ] && ! python3 -c "import cutlass" > /dev/null 2>&1 && missing="$missing cutlass"
+if [ -n "$missing" ]; then
+  mark preflight "not importable:$missing (on the GPU host: . .gpu/cute/env.sh with .gpu/cute carried, after staging the vLLM bundle)"
+  mark all done
+  exit 3
+fi
+if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] && { want e2e || want kvtier || want share; }; then
+  step model 120 python3 scripts/make_demo_model.py "$model"
+fi
 
 if want kbench; then
   kb_default=ion-auto,ion-auto-s2,ion-auto-fused,ion-auto-fused-s2,fa3

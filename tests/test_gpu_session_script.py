@@ -1,0 +1,77 @@
+"""scripts/gpu_session.sh's preflight, on a CPU machine: a chain whose steps need vLLM or
+CuTeDSL stops at once, with the reason in steps.txt, when they are not importable (on the
+GPU host that saves a device call's start-up minutes), and the demo model is made when a
+step serves it and it is missing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_session.sh")
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get("PATH", ""), HF_HUB_OFFLINE="1",
+               DEMO_MODEL=str(tmp_path / "demo"), **extra)
+    env.pop("MODEL", None)
+    return env
+
+
+def _shadow(tmp_path, module: str) -> str:
+    """A PATH entry whose ``python3`` fails ``python3 -c "import <module>"`` and runs
+    everything else with this interpreter (CuTeDSL puts itself first on sys.path from a
+    .pth file, so a PYTHONPATH shadow cannot hide it)."""
+    d = tmp_path / f"shadow-{module}"
+    d.mkdir()
+    shim = d / "python3"
+    shim.write_text("#!/usr/bin/env bash\n"
+                    f'if [ "$1" = -c ] && [ "$2" = "import {module}" ]; then exit 1; fi\n'
+                    f'exec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    return str(d)
+
+
+@pytest.mark.parametrize("module", ["vllm", "cutlass"])
+def test_preflight_stops_the_chain_when_an_import_is_missing(tmp_path, module):
+    pytest.importorskip(module)
+    out = tmp_path / "o"
+    env = _env(tmp_path, SESSION_STEPS="kvtier")
+    env["PATH"] = _shadow(tmp_path, module) + os.pathsep + env["PATH"]
+    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
+                       timeout=300, check=False)
+    assert r.returncode == 3, r.stdout + r.stderr
+    steps = (out / "steps.txt").read_text()
+    assert "preflight" in steps and f"not importable: {module}" in steps, steps
+    assert not (out / "kvtier.log").exists() and not (tmp_path / "demo").exists()
+
+
+def test_preflight_checks_only_what_the_steps_need(tmp_path):
+    """kvgpu needs vLLM only: a hidden CuTeDSL does not stop it at the preflight."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "o"
+    env = _env(tmp_path, SESSION_STEPS="kvgpu")
+    env["PATH"] = _shadow(tmp_path, "cutlass") + os.pathsep + env["PATH"]
+    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = (out / "steps.txt").read_text()
+    assert "preflight" not in steps and "kvgpu" in steps, steps
+
+
+def test_missing_demo_model_is_made_for_the_serving_steps(tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("cutlass")
+    out = tmp_path / "o"
+    # no GPU here: the kvtier step itself fails, after the model step made the model
+    env = _env(tmp_path, SESSION_STEPS="kvtier", KVTIER_S="60", KVTIER_CONFIGS="ion")
+    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = (out / "steps.txt").read_text()
+    assert "model    rc=0" in steps, steps
+    assert (tmp_path / "demo" / "config.json").exists()
+    assert "kvtier   start" in steps
