@@ -32,6 +32,11 @@ Warpgroup ping-pong: a ``tile_m=128`` plan made with ``pingpong=True``
 (``DevicePlan.pingpong``) runs on ``IonAttentionSm90(consumers=2, pingpong=True)``, whose
 two consumer warpgroups issue their MMAs in turns (``check_pingpong``; ``None``: the
 default, ``PINGPONG_DEFAULT``).
+
+Pinned PV wait: a plan made with ``pin_pv_wait=True`` (``DevicePlan.pin_pv_wait``; any
+tile size) runs on ``IonAttentionSm90(pin_pv_wait=True)``, whose steady state waits for
+its previous O += P V after the softmax in the SASS too (``check_pin_pv_wait``; ``None``:
+``PIN_PV_WAIT_DEFAULT``).
 """
 
 from __future__ import annotations
@@ -199,6 +204,25 @@ def _pingpong(pingpong) -> bool:
     return PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
 
 
+#: whether the attention kernels pin their steady-state PV wait after the softmax by
+#: default (``IonAttentionSm90(pin_pv_wait=...)``; bench/notes.md, v16): off until measured
+PIN_PV_WAIT_DEFAULT = False
+
+
+def check_pin_pv_wait(pin_pv_wait):
+    """``pin_pv_wait`` as a kernel will use it: ``None`` keeps ``PIN_PV_WAIT_DEFAULT``, and
+    so does the default value (one compiled kernel, not two); the other value comes back."""
+    if pin_pv_wait is None:
+        return None
+    pin = bool(pin_pv_wait)
+    return None if pin == PIN_PV_WAIT_DEFAULT else pin
+
+
+def _pin_pv_wait(pin_pv_wait) -> bool:
+    """The kernel's ``pin_pv_wait`` for a checked option (``check_pin_pv_wait``)."""
+    return PIN_PV_WAIT_DEFAULT if pin_pv_wait is None else bool(pin_pv_wait)
+
+
 def _c2_stages(variant: Variant, kv_pair: bool) -> int:
     """Default K/V stages of a consumers=2 kernel: page pairs hold two pages per stage on 2
     stages (the same shared memory as 4 single-page stages)."""
@@ -207,63 +231,69 @@ def _c2_stages(variant: Variant, kv_pair: bool) -> int:
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                 lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                pingpong=None):
+                pingpong=None, pin_pv_wait=None):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
     two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
     ``lazy_rescale``: the lazy-rescaling experiment (same arguments, same results);
     ``kv_pair``: two pages per K/V stage (``consumers=2`` only; same arguments);
     ``kv_stages``: K/V pipeline depth of a ``consumers=2`` kernel (``check_kv_stages``);
-    ``pingpong``: warpgroup ping-pong of a ``consumers=2`` kernel (``check_pingpong``)."""
+    ``pingpong``: warpgroup ping-pong of a ``consumers=2`` kernel (``check_pingpong``);
+    ``pin_pv_wait``: the steady state's PV wait pinned after the softmax
+    (``check_pin_pv_wait``)."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
+    pin = _pin_pv_wait(check_pin_pv_wait(pin_pv_wait))
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _c2_stages(variant, kv_pair),
-                                pingpong=_pingpong(pp))
+                                pingpong=_pingpong(pp), pin_pv_wait=pin)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=ctas,
                                 unpacked_prefill=True, kv_stages=stages,
-                                lazy_rescale=lazy_rescale)
+                                lazy_rescale=lazy_rescale, pin_pv_wait=pin)
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=ctas, kv_stages=stages,
-                            lazy_rescale=lazy_rescale)
+                            lazy_rescale=lazy_rescale, pin_pv_wait=pin)
 
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                       lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                      pingpong=None):
+                      pingpong=None, pin_pv_wait=None):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
     ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
-    variant (``consumers=2`` only); ``kv_stages``, ``pingpong``: as for ``make_kernel``."""
+    variant (``consumers=2`` only); ``kv_stages``, ``pingpong``, ``pin_pv_wait``: as for
+    ``make_kernel``."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
+    pin = _pin_pv_wait(check_pin_pv_wait(pin_pv_wait))
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _c2_stages(variant, kv_pair),
-                                pingpong=_pingpong(pp)).fused
+                                pingpong=_pingpong(pp), pin_pv_wait=pin).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
-                            unpacked_prefill=unpacked, lazy_rescale=lazy_rescale).fused
+                            unpacked_prefill=unpacked, lazy_rescale=lazy_rescale,
+                            pin_pv_wait=pin).fused
 
 
 def fused_fake_args(variant: Variant, unpacked: bool = False):
@@ -323,12 +353,12 @@ fake_args = _fake_args
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
               lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-              pingpong=None):
+              pingpong=None, pin_pv_wait=None):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair,
-                                        kv_stages, pingpong),
+                                        kv_stages, pingpong, pin_pv_wait),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
@@ -336,12 +366,12 @@ def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
                     lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                    pingpong=None):
+                    pingpong=None, pin_pv_wait=None):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
-                                              kv_pair, kv_stages, pingpong),
+                                              kv_pair, kv_stages, pingpong, pin_pv_wait),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -388,7 +418,7 @@ class DevicePlan:
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
-                 kv_pair: bool = False, kv_stages=None, pingpong=None):
+                 kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -409,6 +439,9 @@ class DevicePlan:
         #: warpgroup ping-pong of the 128-row kernels that run these plans (None: the
         #: default, ``PINGPONG_DEFAULT``; see ``check_pingpong``)
         self.pingpong = check_pingpong(pingpong, self.consumers)
+        #: steady-state PV wait pinned after the softmax (None: the default,
+        #: ``PIN_PV_WAIT_DEFAULT``; see ``check_pin_pv_wait``)
+        self.pin_pv_wait = check_pin_pv_wait(pin_pv_wait)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -506,7 +539,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      row_combine: bool = False, lazy_rescale: bool = False,
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
-                     refine_balance: bool = True) -> DevicePlan:
+                     pin_pv_wait=None, refine_balance: bool = True) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -529,6 +562,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     instead of the default 4.
     ``pingpong=True`` / ``False`` (``tile_m=128`` only): the kernels with / without
     warpgroup ping-pong (``None``: ``PINGPONG_DEFAULT``).
+    ``pin_pv_wait=True`` / ``False``: the kernels with / without the pinned PV wait
+    (``None``: ``PIN_PV_WAIT_DEFAULT``).
     ``refine_balance=False``: the planner without its final local search (``planner.plan``
     ``refine``), for A/B runs."""
     import numpy as np
@@ -552,7 +587,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
                     lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                    pingpong=pingpong)
+                    pingpong=pingpong, pin_pv_wait=pin_pv_wait)
     return dp.upload(p)
 
 
@@ -684,13 +719,14 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     kv_pair = bool(getattr(plan, "kv_pair", False))
     stages = getattr(plan, "kv_stages", None)
     pp = getattr(plan, "pingpong", None)
+    pin = getattr(plan, "pin_pv_wait", None)
     if fused:
-        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin)(q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages, pp)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -707,7 +743,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                unpacked: bool = False, consumers=1, row_combine: bool = False,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
-               kv_pair: bool = False, kv_stages=None, pingpong=None) -> None:
+               kv_pair: bool = False, kv_stages=None, pingpong=None,
+               pin_pv_wait=None) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -720,6 +757,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``kv_pair``: the 128-row kernels' page-pair variants (plans with ``kv_pair=True``).
     ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
     ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
+    ``pin_pv_wait``: the kernels with / without the pinned PV wait (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -732,9 +770,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         pair = bool(kv_pair) and c == 2
         stages = check_kv_stages(kv_stages, c, page_size, pair) if c == 2 else None
         pp = check_pingpong(pingpong, c) if c == 2 else None
+        pin = check_pin_pv_wait(pin_pv_wait)
         for u in (False, True) if unpacked else (False,):
-            _compiled(variant, u, c, lz, pair, stages, pp)
+            _compiled(variant, u, c, lz, pair, stages, pp, pin)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair, stages, pp)
+                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

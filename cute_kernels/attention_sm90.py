@@ -87,6 +87,18 @@ warpgroup's MMAs, then the other's, and each warpgroup's softmax runs while the 
 MMAs execute.  An experiment: on the H200 it is correct and 2-5% slower on prefill, so the
 warpgroups were not stalling in lockstep without it (``attention.PINGPONG_DEFAULT``;
 bench/notes.md, v15).
+
+Pinned PV wait (``pin_pv_wait=True``; with False the generated code is the kernel above).
+The steady state is written so that the softmax of S_p runs while O += P_{p-1} V_{p-1} is
+on the tensor cores: ``wgmma.wait_group 0`` (that PV's retirement) comes after the
+softmax in the PTX.  ptxas moves it up anyway: in the SASS of every variant (and of FA3's
+causal hdim-128 kernel) ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` sits right after the mask,
+before the row reductions and every exp2, so a warpgroup waits for its own PV before its
+softmax.  With the option the wait sits in both arms of a branch on the softmax's row
+sum (``row_sum >= 0 or group_size > 0``: true in every thread, so the warpgroup stays
+converged as ``wgmma.wait_group`` requires; both arms wait).  ptxas does not move the
+wait across that branch, so it stays after the exp2s (``scripts/sass_profile.py
+--pin-pv-wait on``).
 """
 
 from __future__ import annotations
@@ -122,7 +134,8 @@ class IonAttentionSm90:
     def __init__(self, dtype, head_dim: int, group_pad: int, page_size: int = 64,
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
                  fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
-                 lazy_rescale: bool = False, kv_pair: bool = False, pingpong: bool = False):
+                 lazy_rescale: bool = False, kv_pair: bool = False, pingpong: bool = False,
+                 pin_pv_wait: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -207,6 +220,9 @@ class IonAttentionSm90:
         if self.pingpong and consumers != 2:
             raise ValueError("pingpong alternates two consumer warpgroups: it needs "
                              f"consumers=2, got consumers={consumers}")
+        # pinned PV wait (module docstring): the steady state's wait for O += P V stays after
+        # the softmax in the SASS.  Compile-time: with False the generated code is unchanged.
+        self.pin_pv_wait = bool(pin_pv_wait)
         #: pages per K/V stage and keys per S tile
         self.pages_per_tile = 2 if self.kv_pair else 1
         self.kv_tile = page_size * self.pages_per_tile
@@ -926,7 +942,7 @@ class IonAttentionSm90:
                     else:
                         self._mask(acc_s, tScS, p * P, pos0, seq_len, shift)
                     self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
-                    cute.nvgpu.warpgroup.wait_group(0)
+                    self._wait_pv(row_sum, group_size)
                     v_handle.release()
                     if cutlass.const_expr(self.lazy_rescale):
                         if corr[0] != 1.0 or corr[1] != 1.0:
@@ -1021,6 +1037,22 @@ class IonAttentionSm90:
         for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
             cute.gemm(pv_mma, acc_o, rP[(None, None, kb)], tOrV[(None, None, kb, v_stage)], acc_o)
         cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _wait_pv(self, row_sum, group_size):
+        """``wgmma.wait_group 0`` after the softmax: plain, or with ``pin_pv_wait`` in both
+        arms of a branch on the softmax's result, which ptxas does not hoist it across.
+        ``wgmma.wait_group`` is ``.aligned``: every thread of the warpgroup must take the
+        same arm, so the condition is ``row_sum >= 0 or group_size > 0``.  The launch
+        refuses ``group_size < 1``, so it is true in every thread, NaN rows included; the
+        compiler cannot know that, so the branch still waits for the row sum."""
+        if cutlass.const_expr(self.pin_pv_wait):
+            if (row_sum[0] >= cutlass.Float32(0.0)) | (group_size > 0):
+                cute.nvgpu.warpgroup.wait_group(0)
+            else:
+                cute.nvgpu.warpgroup.wait_group(0)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
 
     @cute.jit
     def _turn_wait(self, q_half):

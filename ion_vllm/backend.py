@@ -102,6 +102,11 @@ PDL_COMBINE_ENV = "ION_PDL_COMBINE"
 #: 2026-12-02: prefill 8192 at full clock 804 -> 825 us (attention), 791 -> 962 us
 #: (fused layer) (bench/notes.md, v13 measured), so it stays off.
 KV_PAIR_ENV = "ION_KV_PAIR"
+#: ``ION_PIN_PV_WAIT`` (default 0 until measured on the H200): the attention kernels wait
+#: for their previous O += P V after the softmax in the SASS too
+#: (``IonAttentionSm90(pin_pv_wait=True)``): ptxas otherwise moves that wait above the
+#: softmax, so a warpgroup's softmax never overlaps its own PV (bench/notes.md, v16).
+PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
 #: the row is in flight at once), which takes precedence over ``ION_ROW_COMBINE``; 0
@@ -213,6 +218,10 @@ def kv_pair() -> bool:
     return _switch(KV_PAIR_ENV, "page pairs on 128-row q tiles")
 
 
+def pin_pv_wait() -> bool:
+    return _switch(PIN_PV_WAIT_ENV, "PV wait pinned after the softmax")
+
+
 def lane_combine() -> bool:
     return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine", default="1")
 
@@ -318,6 +327,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.kv_pair:
             logger.info_once("ION: page pairs on 128-row q tiles (%s=1, an experiment)",
                              KV_PAIR_ENV)
+        #: the kernels' PV wait pinned after the softmax (off by default until measured)
+        self.pin_pv_wait = pin_pv_wait()
+        if self.pin_pv_wait:
+            logger.info_once("ION: PV wait pinned after the softmax (%s=1, an experiment)",
+                             PIN_PV_WAIT_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -379,7 +393,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        row_combine=self.row_combine,
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
-                       lane_combine=self.lane_combine, kv_pair=self.kv_pair)
+                       lane_combine=self.lane_combine, kv_pair=self.kv_pair,
+                       pin_pv_wait=self.pin_pv_wait)
 
     @staticmethod
     def _fused_kv_writeback(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
@@ -433,7 +448,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,
             page_size=self.page_size, lazy_rescale=self.lazy_rescale,
             pdl_combine=self.pdl_combine, lane_combine=self.lane_combine,
-            kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS)
+            kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS,
+            pin_pv_wait=self.pin_pv_wait)
 
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:

@@ -265,7 +265,7 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
               unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
               lazy_rescale: bool = False, pdl_combine: bool = False,
               lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
-              pingpong=None):
+              pingpong=None, pin_pv_wait=None):
     """The device plan for one case (the sweep plans explicitly so it can force splits and
     record how many items were split)."""
     from cute_kernels.attention import make_device_plan
@@ -278,7 +278,7 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
                             cost_model=cm, row_combine=row_combine,
                             lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
                             lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                            pingpong=pingpong)
+                            pingpong=pingpong, pin_pv_wait=pin_pv_wait)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -308,7 +308,7 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
              unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
              lazy_rescale: bool = False, pdl_combine: bool = False,
              lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
-             pingpong=None) -> Dict:
+             pingpong=None, pin_pv_wait=None) -> Dict:
     """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
     ``kv_append`` and ``ion_attention`` (tests inject other implementations).
     ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
@@ -341,7 +341,7 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
                          unpacked=unpacked, tile_m=tile_m, row_combine=row_combine,
                          lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
                          lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                         pingpong=pingpong)
+                         pingpong=pingpong, pin_pv_wait=pin_pv_wait)
         res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
@@ -504,6 +504,9 @@ def parse_args(argv=None):
     ap.add_argument("--pingpong", choices=("on", "off"), default=None,
                     help="warpgroup ping-pong on the 128-row kernels (default: the kernels' "
                          "default, attention.PINGPONG_DEFAULT; needs --tile-m 128)")
+    ap.add_argument("--pin-pv-wait", choices=("on", "off"), default=None,
+                    help="the kernels' PV wait pinned after the softmax (default: the "
+                         "kernels' default, attention.PIN_PV_WAIT_DEFAULT)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
@@ -513,7 +516,8 @@ def parse_args(argv=None):
 
 
 def _pingpong_arg(value):
-    """``--pingpong on|off`` as the plan option (None: the kernels' default)."""
+    """``--pingpong on|off`` (or ``--pin-pv-wait``) as the plan option (None: the kernels'
+    default)."""
     return None if value is None else value == "on"
 
 
@@ -549,7 +553,8 @@ def main(argv=None) -> int:
                          row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
                          pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
                          kv_pair=args.kv_pair, kv_stages=args.kv_stages,
-                         pingpong=_pingpong_arg(args.pingpong))
+                         pingpong=_pingpong_arg(args.pingpong),
+                         pin_pv_wait=_pingpong_arg(args.pin_pv_wait))
             rec = {**c.to_json(), **r}
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -566,6 +571,7 @@ def main(argv=None) -> int:
                    row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
                    pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
                    kv_pair=args.kv_pair, kv_stages=args.kv_stages, pingpong=args.pingpong,
+                   pin_pv_wait=args.pin_pv_wait,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device),

@@ -8,7 +8,8 @@
 #      split-KV combine (every 2nd case forced to split), the lazy-rescaling kernels, and the
 #      combine launched by programmatic dependent launch (workspace NaN-poisoned), and fused
 #      writeback on 128-row tiles, and the split-parallel combine, and the experiments on
-#      128-row tiles (page pairs, two K/V stages, warpgroup ping-pong), plain and fused;
+#      128-row tiles (page pairs, two K/V stages, warpgroup ping-pong) and the pinned PV
+#      wait (64-row and fused 128-row), plain and fused;
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
@@ -54,7 +55,7 @@ pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
      tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
      tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
      tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py tests/test_kv_stages_gpu.py
-     tests/test_pingpong_gpu.py"}
+     tests/test_pingpong_gpu.py tests/test_pin_pv_wait_gpu.py"}
 # KVAL_PYTEST_SHARDS=N runs pytest-gpu as N pytest processes side by side
 # (scripts/pytest_gpu_shards.sh; logs $out/pytest-gpu-shard.<i>.log)
 if [ "${KVAL_PYTEST_SHARDS:-1}" -gt 1 ]; then
@@ -103,6 +104,12 @@ checks=(
   "sweep-fusedpp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --path fused --tile-m 128 --unpacked-prefill --lane-combine --pingpong on
      --force-split-every 2 --out $out/sweep-fusedpp"
+  "sweep-pin python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --unpacked-prefill --lane-combine --pin-pv-wait on --force-split-every 2
+     --out $out/sweep-pin"
+  "sweep-fusedpin python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 128 --unpacked-prefill --lane-combine --pin-pv-wait on
+     --force-split-every 2 --out $out/sweep-fusedpin"
 )
 pids=()
 for c in "${checks[@]}"; do
@@ -125,7 +132,7 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
     sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
-    sweep-s2 sweep-fuseds2 sweep-pp sweep-fusedpp bench-anchors; do
+    sweep-s2 sweep-fuseds2 sweep-pp sweep-fusedpp sweep-pin sweep-fusedpin bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -136,7 +143,8 @@ lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).
          "```", ""]
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
              "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
-             "sweep-fusedkp", "sweep-s2", "sweep-fuseds2", "sweep-pp", "sweep-fusedpp"):
+             "sweep-fusedkp", "sweep-s2", "sweep-fuseds2", "sweep-pp", "sweep-fusedpp",
+             "sweep-pin", "sweep-fusedpin"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))

@@ -11,6 +11,7 @@ where a change moved the softmax relative to the MMAs, e.g. the lazy-rescaling k
 
     python scripts/sass_profile.py --variant 7 --unpacked --consumers 2
     python scripts/sass_profile.py --variant 7 --unpacked --consumers 2 --lazy-rescale
+    python scripts/sass_profile.py --variant 7 --unpacked --consumers 2 --pin-pv-wait on
 
 Needs ``nvdisasm`` on PATH (the nvidia-cuda-nvdisasm wheel vLLM installs ships one under
 ``site-packages/nvidia/cu13/bin``; this script adds that directory when present).
@@ -74,7 +75,8 @@ def runs(sass: str) -> tuple[str, dict[str, int]]:
 
 
 def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool,
-                  kv_pair: bool = False, fused: bool = False) -> str:
+                  kv_pair: bool = False, fused: bool = False, pingpong=None,
+                  kv_stages=None, pin_pv_wait=None) -> str:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
@@ -84,10 +86,12 @@ def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool
     v = ALL_VARIANTS[variant_index]
     d = tempfile.mkdtemp(prefix="ion_sass_")
     if fused:
-        kernel = attention.make_fused_kernel(v, unpacked, consumers, lazy, kv_pair)
+        kernel = attention.make_fused_kernel(v, unpacked, consumers, lazy, kv_pair,
+                                             kv_stages, pingpong, pin_pv_wait)
         args = attention.fused_fake_args(v, unpacked)
     else:
-        kernel = attention.make_kernel(v, unpacked, consumers, lazy, kv_pair)
+        kernel = attention.make_kernel(v, unpacked, consumers, lazy, kv_pair, kv_stages,
+                                       pingpong, pin_pv_wait)
         args = attention.fake_args(v, unpacked)
     cute.compile(kernel, *args,
                  options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-cubin --dump-dir {d}")
@@ -105,13 +109,23 @@ def main(argv=None) -> int:
     ap.add_argument("--lazy-rescale", action="store_true")
     ap.add_argument("--kv-pair", action="store_true", help="page pairs (needs --consumers 2)")
     ap.add_argument("--fused", action="store_true", help="the fused-writeback kernel")
+    ap.add_argument("--pingpong", choices=("on", "off"), default=None,
+                    help="warpgroup ping-pong (needs --consumers 2; default: the default)")
+    ap.add_argument("--pin-pv-wait", choices=("on", "off"), default=None,
+                    help="the steady state's PV wait pinned after the softmax (default: the "
+                         "default)")
+    ap.add_argument("--kv-stages", type=int, default=None,
+                    help="K/V stages of a --consumers 2 kernel (default: the default)")
     args = ap.parse_args(argv)
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("sass_profile: nvdisasm not found", file=sys.stderr)
         return 2
     cubin = compile_cubin(args.variant, args.unpacked, args.consumers, args.lazy_rescale,
-                          args.kv_pair, args.fused)
+                          args.kv_pair, args.fused,
+                          None if args.pingpong is None else args.pingpong == "on",
+                          args.kv_stages,
+                          None if args.pin_pv_wait is None else args.pin_pv_wait == "on")
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
     order, totals = runs(sass)

@@ -635,11 +635,13 @@ def test_row_combine_switch(cpu_platform, tmp_path, monkeypatch):
     ("LAZY_RESCALE_ENV", "lazy_rescale", False, "yes"),
     ("PDL_COMBINE_ENV", "pdl_combine", False, "2"),
     ("LANE_COMBINE_ENV", "lane_combine", True, "on"),
+    ("PIN_PV_WAIT_ENV", "pin_pv_wait", False, "sure"),
 ])
 def test_plan_switches(cpu_platform, tmp_path, monkeypatch, env, attr, default, bad):
     """ION_LAZY_RESCALE (lazy-rescaling kernels) and ION_PDL_COMBINE (combine by
-    programmatic dependent launch) are off unless set to 1; ION_LANE_COMBINE (split-parallel
-    combine) is on unless set to 0.  When on, every device plan of the builder carries the
+    programmatic dependent launch) and ION_PIN_PV_WAIT (the PV wait pinned after the
+    softmax) are off unless set to 1; ION_LANE_COMBINE (split-parallel combine) is on
+    unless set to 0.  When on, every device plan of the builder carries the
     option; any value other than 0/1 is refused."""
     import ion_vllm.backend as backend_mod
 

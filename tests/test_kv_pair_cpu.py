@@ -291,8 +291,8 @@ def test_pairs_are_refused_where_not_implemented():
 
 def record_precompile(monkeypatch) -> list:
     """Stub out every compile ``attention.precompile`` triggers; the returned list collects
-    (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong) of each attention
-    kernel it asks for (kind "attn" or "fused")."""
+    (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait) of each
+    attention kernel it asks for (kind "attn" or "fused")."""
     from cute_kernels import append_sm90
 
     calls = []
@@ -314,7 +314,7 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
         calls.clear()
         attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                              consumers=(1, 2), lane_combine=True, kv_pair=kv_pair)
-        # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong)
+        # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
         assert sorted(calls) == sorted(
-            (kind, u, c, False, kv_pair and c == 2, None, None)
+            (kind, u, c, False, kv_pair and c == 2, None, None, None)
             for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))

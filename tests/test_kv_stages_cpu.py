@@ -142,9 +142,9 @@ def test_launch_picks_the_deep_kernel(monkeypatch):
         kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16) if fresh else None
         attention.ion_attention(q, None, None, q, None, None, None, 0.1, plan=dp, key=kv,
                                 value=kv)
-    # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong)
-    assert seen == [("attn", True, 2, False, False, 2, None),
-                    ("fused", True, 2, False, False, 2, None)]
+    # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
+    assert seen == [("attn", True, 2, False, False, 2, None, None),
+                    ("fused", True, 2, False, False, 2, None, None)]
 
 
 def test_precompile_builds_the_asked_depth_for_128_row_plans_only(monkeypatch):
@@ -156,5 +156,5 @@ def test_precompile_builds_the_asked_depth_for_128_row_plans_only(monkeypatch):
     attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                          consumers=(1, 2), lane_combine=True, kv_stages=2)
     assert sorted(calls) == sorted(
-        (kind, u, c, False, False, 2 if c == 2 else None, None)
+        (kind, u, c, False, False, 2 if c == 2 else None, None, None)
         for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))

@@ -35,3 +35,23 @@ def test_default_kernel_profile(capsys):
     totals = dict(kv.split("=") for kv in out.splitlines()[0].split()[1:])
     assert int(totals["HGMMA"]) > 0 and int(totals["MUFU.EX2"]) >= 32
     assert "HGMMAx" in out.splitlines()[1]
+
+
+@pytest.mark.skipif(sp.find_nvdisasm() is None, reason="needs nvdisasm")
+def test_pinned_pv_wait_profile(capsys):
+    """``--pin-pv-wait on`` profiles the pinned-wait kernel: in its steady state the exp2s
+    come before the second wgmma wait; ``off`` is the default kernel, where ptxas hoists it."""
+    from test_pin_pv_wait_cpu import exps_before_pv_wait
+
+    assert sp.main(["--variant", "7", "--unpacked", "--consumers", "2",
+                    "--pin-pv-wait", "on"]) == 0
+    pinned = capsys.readouterr().out.splitlines()[1]
+    assert sp.main(["--variant", "7", "--unpacked", "--consumers", "2",
+                    "--pin-pv-wait", "off"]) == 0
+    plain = capsys.readouterr().out.splitlines()[1]
+    as_sass = {name: "\n".join(f"/*0000*/ {tag}" for run in order.split()[1:]
+                               for tag in [run.rsplit("x", 1)[0]]
+                               for _ in range(int(run.rsplit("x", 1)[1])))
+               for name, order in (("pinned", pinned), ("plain", plain))}
+    assert exps_before_pv_wait(as_sass["pinned"]) >= 32
+    assert exps_before_pv_wait(as_sass["plain"]) == 0

@@ -79,6 +79,7 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+p128": {"ION_EXPERIMENTAL_PAGE": "128"},
     # lazy-rescaling attention kernels: the e2e side of ion-auto-lr
     "ION+lazy": {"ION_LAZY_RESCALE": "1"},
+    "ION+pin": {"ION_PIN_PV_WAIT": "1"},
     # page pairs on the 128-row q tiles of prefill-dominated steps: the e2e side of
     # ion-auto-kp / ion-auto-fused-kp
     "ION+kp": {"ION_KV_PAIR": "1"},

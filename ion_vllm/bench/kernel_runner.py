@@ -32,6 +32,7 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
             "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
+            "ion-auto-pin", "ion-auto-fused-pin",
             "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
@@ -533,6 +534,19 @@ def prepare_ion_auto_fused_np(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion_auto_fused(case, rot, device, shared, **_pingpong_option(case, False))
 
 
+def prepare_ion_auto_pin(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` on the kernels with the pinned PV wait (``pin_pv_wait=True`` plans, any
+    tile size; the backend's ``ION_PIN_PV_WAIT=1``): the steady state waits for its previous
+    O += P V after the softmax in the SASS too, so the softmax runs under that PV."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), pin_pv_wait=True))
+
+
+def prepare_ion_auto_fused_pin(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` on the kernels with the pinned PV wait."""
+    return prepare_ion_auto_fused(case, rot, device, shared, pin_pv_wait=True)
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -543,6 +557,8 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-fused-wf": prepare_ion_auto_fused_wf,
            "ion-auto-pp": prepare_ion_auto_pp, "ion-auto-fused-pp": prepare_ion_auto_fused_pp,
            "ion-auto-np": prepare_ion_auto_np, "ion-auto-fused-np": prepare_ion_auto_fused_np,
+           "ion-auto-pin": prepare_ion_auto_pin,
+           "ion-auto-fused-pin": prepare_ion_auto_fused_pin,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa4": prepare_fa4,
