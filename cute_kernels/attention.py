@@ -199,11 +199,6 @@ def check_pingpong(pingpong, consumers: int):
     return None if pp == PINGPONG_DEFAULT else pp
 
 
-def _pingpong(pingpong) -> bool:
-    """The kernel's ``pingpong`` for a checked option (``check_pingpong``)."""
-    return PINGPONG_DEFAULT if pingpong is None else bool(pingpong)
-
-
 #: whether the attention kernels pin their steady-state PV wait after the softmax by
 #: default (``IonAttentionSm90(pin_pv_wait=...)``; bench/notes.md, v16): off until measured
 PIN_PV_WAIT_DEFAULT = False
@@ -218,9 +213,10 @@ def check_pin_pv_wait(pin_pv_wait):
     return None if pin == PIN_PV_WAIT_DEFAULT else pin
 
 
-def _pin_pv_wait(pin_pv_wait) -> bool:
-    """The kernel's ``pin_pv_wait`` for a checked option (``check_pin_pv_wait``)."""
-    return PIN_PV_WAIT_DEFAULT if pin_pv_wait is None else bool(pin_pv_wait)
+def _or_default(checked, default: bool) -> bool:
+    """The kernel's flag for a checked option (``check_pingpong``, ``check_pin_pv_wait``:
+    None means the default)."""
+    return default if checked is None else bool(checked)
 
 
 def _c2_stages(variant: Variant, kv_pair: bool) -> int:
@@ -247,14 +243,14 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
-    pin = _pin_pv_wait(check_pin_pv_wait(pin_pv_wait))
+    pin = _or_default(check_pin_pv_wait(pin_pv_wait), PIN_PV_WAIT_DEFAULT)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _c2_stages(variant, kv_pair),
-                                pingpong=_pingpong(pp), pin_pv_wait=pin)
+                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -282,14 +278,14 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
         raise ValueError("kv_pair runs on the consumers=2 (tile_m=128) kernels only")
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
-    pin = _pin_pv_wait(check_pin_pv_wait(pin_pv_wait))
+    pin = _or_default(check_pin_pv_wait(pin_pv_wait), PIN_PV_WAIT_DEFAULT)
     if _check_consumers(consumers) == 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _c2_stages(variant, kv_pair),
-                                pingpong=_pingpong(pp), pin_pv_wait=pin).fused
+                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale,
@@ -765,12 +761,12 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                           experimental_pages=experimental_pages)
     kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
     lz = bool(lazy_rescale)
+    pin = check_pin_pv_wait(pin_pv_wait)
     for c in sorted(set(_check_consumers(c) for c in kinds)):
         # with kv_pair every 128-row plan runs the page-pair kernels, so only those
         pair = bool(kv_pair) and c == 2
         stages = check_kv_stages(kv_stages, c, page_size, pair) if c == 2 else None
         pp = check_pingpong(pingpong, c) if c == 2 else None
-        pin = check_pin_pv_wait(pin_pv_wait)
         for u in (False, True) if unpacked else (False,):
             _compiled(variant, u, c, lz, pair, stages, pp, pin)
             if fused:

@@ -304,6 +304,59 @@ def record_precompile(monkeypatch) -> list:
     return calls
 
 
+def record_launches(monkeypatch, tile_ms=(128,), **plan_options):
+    """Stub out the compiled kernels, then plan one 300-token prefill (28 q / 4 KV heads,
+    d 128) for every tile size in ``tile_ms`` with ``plan_options``, and launch it with and
+    without key/value.  Returns (the plans, the (kind, unpacked, consumers, lazy, kv_pair,
+    kv_stages, pingpong, pin_pv_wait) of every kernel the launches asked for)."""
+    import torch
+
+    seen = []
+
+    def fake(kind):
+        def get(*key):
+            seen.append((kind,) + key[1:])
+            return lambda *a: None
+        return get
+
+    monkeypatch.setattr(attention, "_compiled", fake("attn"))
+    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
+    monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
+    qsl, sl = np.array([0, 300], np.int32), np.array([300], np.int32)
+    plans = []
+    for tile_m in tile_ms:
+        for fresh in (False, True):
+            dp = attention.make_device_plan(qsl, sl, num_kv_heads=4, group_size=7,
+                                            page_size=64, head_dim=128, device="cpu",
+                                            tile_m=tile_m, fresh_kv=fresh, **plan_options)
+            q = torch.zeros(300, 28, 128, dtype=torch.bfloat16)
+            kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16) if fresh else None
+            attention.ion_attention(q, None, None, q, None, None, None, 0.1, plan=dp, key=kv,
+                                    value=kv)
+            plans.append(dp)
+    return plans, seen
+
+
+def record_bench_plans(monkeypatch):
+    """Stub out what the kernel bench's ION backends need besides their plan; returns (the
+    plan options every backend asked for, a lone 8192 prefill (128-row tiles), a mixed
+    step (64-row tiles), the options ``ion-auto`` plans on both)."""
+    import torch
+
+    from ion_vllm.bench import kernel_runner as kr
+    from ion_vllm.bench.kernel_suite import Case
+
+    seen = []
+    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **opts: seen.append(opts))
+    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
+    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
+    monkeypatch.setattr(kr, "new_token_rows", lambda case, rot, device: (None, None, None))
+    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
+    mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
+    auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
+    return seen, prefill, mixed, auto
+
+
 def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
     """With kv_pair, every 128-row kernel precompiled is a page-pair one (the backend's
     128-row plans all carry kv_pair) and no 64-row one is; without it, none is."""

@@ -119,29 +119,9 @@ def test_deep_pipeline_is_refused_where_not_implemented():
 
 def test_launch_picks_the_deep_kernel(monkeypatch):
     """``ion_attention`` hands the plan's depth to the compiled-kernel cache (both forms)."""
-    import torch
+    from test_kv_pair_cpu import record_launches
 
-    seen = []
-
-    def fake(kind):
-        def get(*key):
-            seen.append((kind,) + key[1:])
-            return lambda *a: None
-        return get
-
-    monkeypatch.setattr(attention, "_compiled", fake("attn"))
-    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
-    monkeypatch.setattr(attention, "check_inputs",
-                        lambda *a: (300, 28, 4, 128, 64))
-    qsl, sl = np.array([0, 300], np.int32), np.array([300], np.int32)
-    for fresh in (False, True):
-        dp = attention.make_device_plan(qsl, sl, num_kv_heads=4, group_size=7, page_size=64,
-                                        head_dim=128, device="cpu", tile_m=128,
-                                        unpacked_prefill=True, kv_stages=2, fresh_kv=fresh)
-        q = torch.zeros(300, 28, 128, dtype=torch.bfloat16)
-        kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16) if fresh else None
-        attention.ion_attention(q, None, None, q, None, None, None, 0.1, plan=dp, key=kv,
-                                value=kv)
+    _, seen = record_launches(monkeypatch, unpacked_prefill=True, kv_stages=2)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
     assert seen == [("attn", True, 2, False, False, 2, None, None),
                     ("fused", True, 2, False, False, 2, None, None)]

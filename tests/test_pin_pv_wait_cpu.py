@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 
 cutlass = pytest.importorskip("cutlass")
@@ -148,31 +147,11 @@ def test_default_is_one_kernel():
 def test_launch_and_precompile_carry_the_option(monkeypatch):
     import torch
 
-    from test_kv_pair_cpu import record_precompile
-
-    seen = []
-
-    def fake(kind):
-        def get(*key):
-            seen.append((kind,) + key[1:])
-            return lambda *a: None
-        return get
+    from test_kv_pair_cpu import record_launches, record_precompile
 
     on = not attention.PIN_PV_WAIT_DEFAULT
-    monkeypatch.setattr(attention, "_compiled", fake("attn"))
-    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
-    monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
-    qsl, sl = np.array([0, 300], np.int32), np.array([300], np.int32)
-    for tile_m in (64, 128):
-        for fresh in (False, True):
-            dp = attention.make_device_plan(qsl, sl, num_kv_heads=4, group_size=7,
-                                            page_size=64, head_dim=128, device="cpu",
-                                            tile_m=tile_m, pin_pv_wait=on, fresh_kv=fresh)
-            assert dp.pin_pv_wait is on
-            q = torch.zeros(300, 28, 128, dtype=torch.bfloat16)
-            kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16) if fresh else None
-            attention.ion_attention(q, None, None, q, None, None, None, 0.1, plan=dp, key=kv,
-                                    value=kv)
+    plans, seen = record_launches(monkeypatch, tile_ms=(64, 128), pin_pv_wait=on)
+    assert all(dp.pin_pv_wait is on for dp in plans)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
     assert seen == [("attn", False, 1, False, False, None, None, on),
                     ("fused", False, 1, False, False, None, None, on),
@@ -190,18 +169,11 @@ def test_launch_and_precompile_carry_the_option(monkeypatch):
 def test_bench_backends_and_sweep_pass_the_option(monkeypatch):
     import torch
     from script_loader import load_script
+    from test_kv_pair_cpu import record_bench_plans
 
     from ion_vllm.bench import kernel_runner as kr
-    from ion_vllm.bench.kernel_suite import Case
 
-    seen = []
-    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **opts: seen.append(opts))
-    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
-    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
-    monkeypatch.setattr(kr, "new_token_rows", lambda case, rot, device: (None, None, None))
-    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
-    mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
-    auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
+    seen, prefill, mixed, auto = record_bench_plans(monkeypatch)
     for name, fresh in (("ion-auto-pin", False), ("ion-auto-fused-pin", True)):
         assert name in kr.BACKENDS
         seen.clear()

@@ -151,29 +151,10 @@ def test_pingpong_is_refused_on_64_row_kernels():
 
 def test_launch_picks_the_pingpong_kernel(monkeypatch):
     """``ion_attention`` hands the plan's ping-pong option to the compiled-kernel cache."""
-    import torch
+    from test_kv_pair_cpu import record_launches
 
-    seen = []
-
-    def fake(kind):
-        def get(*key):
-            seen.append((kind,) + key[1:])
-            return lambda *a: None
-        return get
-
-    monkeypatch.setattr(attention, "_compiled", fake("attn"))
-    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
-    monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
-    qsl, sl = np.array([0, 300], np.int32), np.array([300], np.int32)
     on = not attention.PINGPONG_DEFAULT
-    for fresh in (False, True):
-        dp = attention.make_device_plan(qsl, sl, num_kv_heads=4, group_size=7, page_size=64,
-                                        head_dim=128, device="cpu", tile_m=128,
-                                        unpacked_prefill=True, pingpong=on, fresh_kv=fresh)
-        q = torch.zeros(300, 28, 128, dtype=torch.bfloat16)
-        kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16) if fresh else None
-        attention.ion_attention(q, None, None, q, None, None, None, 0.1, plan=dp, key=kv,
-                                value=kv)
+    _, seen = record_launches(monkeypatch, unpacked_prefill=True, pingpong=on)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
     assert seen == [("attn", True, 2, False, False, None, on, None),
                     ("fused", True, 2, False, False, None, on, None)]
@@ -194,19 +175,11 @@ def test_precompile_builds_the_asked_kernels_for_128_row_plans_only(monkeypatch)
 
 
 def test_bench_backends_plan_pingpong_on_128_row_tiles_only(monkeypatch):
-    import torch
+    from test_kv_pair_cpu import record_bench_plans
 
     from ion_vllm.bench import kernel_runner as kr
-    from ion_vllm.bench.kernel_suite import Case
 
-    seen = []
-    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **opts: seen.append(opts))
-    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
-    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
-    monkeypatch.setattr(kr, "new_token_rows", lambda case, rot, device: (None, None, None))
-    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
-    mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
-    auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
+    seen, prefill, mixed, auto = record_bench_plans(monkeypatch)
     for name, on in (("ion-auto-pp", True), ("ion-auto-np", False)):
         assert name in kr.BACKENDS
         seen.clear()
