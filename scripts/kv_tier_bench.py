@@ -132,6 +132,7 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     """One pass of the multi-turn workload on a warm engine; its metrics are deltas."""
     from vllm.inputs import TokensPrompt
 
+    from ion_vllm.bench.gpu_busy import GpuBusySampler
     from ion_vllm.kv_tier.stats import prometheus_sums
 
     rng = random.Random(seed)
@@ -140,30 +141,34 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     convs = [tok(cfg["context_len"]) for _ in range(cfg["conversations"])]
     m0 = prometheus_sums()
     ttft: list[float] = []
+    wave_s: list[float] = []
     n_in = n_out = 0
-    t0 = time.perf_counter()
-    W = cfg["wave"]
-    # prompt tokens served from a cache (GPU prefix cache + tier), per turn: where hits
-    # are lost (the tier-wide host hit rate mixes turns, preempted re-lookups and retries)
-    cached = [0] * cfg["turns"]
-    prompted = [0] * cfg["turns"]
-    for turn in range(cfg["turns"]):
-        for w in range(0, len(convs), W):
-            idx = list(range(w, min(w + W, len(convs))))
-            for i in idx:
-                convs[i] = convs[i] + tok(cfg["user_len"])
-            res = llm.generate([TokensPrompt(prompt_token_ids=convs[i]) for i in idx], sp,
-                               use_tqdm=False)
-            for i, r in zip(idx, res):
-                out = list(r.outputs[0].token_ids)
-                convs[i] = convs[i] + out
-                n_in += len(r.prompt_token_ids)
-                n_out += len(out)
-                prompted[turn] += len(r.prompt_token_ids)
-                cached[turn] += r.num_cached_tokens or 0
-                if r.metrics is not None and r.metrics.first_token_latency:
-                    ttft.append(r.metrics.first_token_latency)
-    wall = time.perf_counter() - t0
+    with GpuBusySampler() as busy:
+        t0 = time.perf_counter()
+        W = cfg["wave"]
+        # prompt tokens served from a cache (GPU prefix cache + tier), per turn: where hits
+        # are lost (the tier-wide host hit rate mixes turns, preempted re-lookups and retries)
+        cached = [0] * cfg["turns"]
+        prompted = [0] * cfg["turns"]
+        for turn in range(cfg["turns"]):
+            for w in range(0, len(convs), W):
+                idx = list(range(w, min(w + W, len(convs))))
+                for i in idx:
+                    convs[i] = convs[i] + tok(cfg["user_len"])
+                tw = time.perf_counter()
+                res = llm.generate([TokensPrompt(prompt_token_ids=convs[i]) for i in idx], sp,
+                                   use_tqdm=False)
+                wave_s.append(time.perf_counter() - tw)
+                for i, r in zip(idx, res):
+                    out = list(r.outputs[0].token_ids)
+                    convs[i] = convs[i] + out
+                    n_in += len(r.prompt_token_ids)
+                    n_out += len(out)
+                    prompted[turn] += len(r.prompt_token_ids)
+                    cached[turn] += r.num_cached_tokens or 0
+                    if r.metrics is not None and r.metrics.first_token_latency:
+                        ttft.append(r.metrics.first_token_latency)
+        wall = time.perf_counter() - t0
     m1 = prometheus_sums()
     d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
 
@@ -187,6 +192,34 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
         "cached_frac_by_turn": turn_fractions(cached, prompted),
         "tier_metrics": {k: v for k, v in d.items()
                          if ("kv_offload" in k or "ion_kv_tier" in k) and v},
+        "wave_s": wave_s,
+        **engine_step_stats(d, wall),
+        **busy.summary(),
+    }
+
+
+def engine_step_stats(d: dict, wall: float) -> dict:
+    """Where a run's wall time went, from the deltas ``d`` of vLLM's metrics
+    (``prometheus_sums``): engine steps and the tokens they computed
+    (``vllm:iteration_tokens_total``), wall ms a step, prompt tokens by source (computed,
+    GPU prefix cache, the tier), and the requests' summed queue / prefill / decode
+    seconds.  A config slower at equal work has more steps or longer ones; with the GPU
+    busy share (``GpuBusySampler``) beside, longer steps split into GPU time and host
+    time."""
+    steps = d.get("vllm:iteration_tokens_total_count", 0.0)
+    tokens = d.get("vllm:iteration_tokens_total_sum", 0.0)
+    src = "vllm:prompt_tokens_by_source[{}]"
+    return {
+        "engine_steps": int(steps),
+        "step_tokens": int(tokens),
+        "tokens_per_step": tokens / steps if steps else None,
+        "ms_per_step": wall * 1e3 / steps if steps else None,
+        "prompt_computed": int(d.get(src.format("local_compute"), 0.0)),
+        "prompt_gpu_cache": int(d.get(src.format("local_cache_hit"), 0.0)),
+        "prompt_tier": int(d.get(src.format("external_kv_transfer"), 0.0)),
+        "queue_s": d.get("vllm:request_queue_time_seconds_sum", 0.0),
+        "prefill_s": d.get("vllm:request_prefill_time_seconds_sum", 0.0),
+        "decode_s": d.get("vllm:request_decode_time_seconds_sum", 0.0),
     }
 
 
@@ -198,7 +231,9 @@ def turn_fractions(cached: list[int], prompted: list[int]) -> list[float | None]
 #: fields of a config's result that are averaged over its repeats
 MEAN_FIELDS = ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s", "total_tok_s",
                "gpu_prefix_hit_rate", "cached_frac", "host_hit_rate", "d2h_gbps", "h2d_gbps",
-               "preemptions")
+               "preemptions", "engine_steps", "step_tokens", "tokens_per_step",
+               "ms_per_step", "prompt_computed", "prompt_gpu_cache", "prompt_tier",
+               "queue_s", "prefill_s", "decode_s", "gpu_busy_pct")
 
 
 def combine_repeats(name: str, runs: list[dict]) -> dict:
@@ -298,6 +333,7 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
                   for r in multi for x in r["runs"]]
         lines += ["", "cached by turn: prompt tokens served from a cache (GPU prefix cache or "
                   "tier) / prompt tokens, turn 1 / 2 / ..."]
+    lines += step_table(results)
     lines += ["", "prompt from cache: prompt tokens served from the GPU prefix cache or the "
               "tier / prompt tokens. host hit (lookups): vLLM's external prefix-cache hits / "
               "queries, counted per lookup."]
@@ -305,6 +341,31 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
+
+
+STEP_COLS = (("config", "config", 0), ("wall s", "wall_s", 1), ("engine steps", "engine_steps", 0),
+             ("tokens/step", "tokens_per_step", 1), ("ms/step", "ms_per_step", 2),
+             ("GPU busy %", "gpu_busy_pct", 1), ("prompt computed", "prompt_computed", 0),
+             ("from GPU cache", "prompt_gpu_cache", 0), ("from tier", "prompt_tier", 0),
+             ("queue s", "queue_s", 1))
+
+
+def step_table(results: list[dict]) -> list[str]:
+    """Where the wall time went (``engine_step_stats``, means over repeats); empty when no
+    result has engine-step counts (results of runs before 2026-12-02's thirteenth
+    session)."""
+    rows = [r for r in results if r.get("engine_steps") is not None]
+    if not rows:
+        return []
+    out = ["", "Engine steps (vLLM metrics; GPU busy: NVML utilization sampled every 0.1 s):",
+           "", "| " + " | ".join(c[0] for c in STEP_COLS) + " |", "|" + "---|" * len(STEP_COLS)]
+    for r in rows:
+        cells = []
+        for _, k, nd in STEP_COLS:
+            v = r.get(k)
+            cells.append(fmt(v, nd) if nd else fmt(int(v) if isinstance(v, float) else v))
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float | None, int] | None:

@@ -74,6 +74,60 @@ def runs(sass: str) -> tuple[str, dict[str, int]]:
     return " ".join(out), totals
 
 
+def _instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The instructions of an nvdisasm listing (text up to ';') and each label's index."""
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,6}\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1).strip())
+    return ins, labels
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def loop_mix(sass: str) -> dict | None:
+    """Opcode mix of the main loop: the shortest loop (a backward ``BRA``) that holds both
+    HGMMA and MUFU.EX2, i.e. the steady state of the consumer's KV loop.  ``guarded``
+    counts the instructions a forward conditional branch inside the loop can skip (the
+    boundary-page mask), so ``len - guarded`` is what an unmasked iteration issues at
+    least.  ``None`` without such a loop.  Works on any sm_90 listing, e.g. FA3's kernel
+    from ``cuobjdump -xelf`` + ``nvdisasm`` of vLLM's ``_vllm_fa3_C.abi3.so``."""
+    ins, labels = _instructions(sass)
+    best = None
+    for i, t in enumerate(ins):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", t)
+        if not m or m.group(1) not in labels or labels[m.group(1)] > i:
+            continue
+        a = labels[m.group(1)]
+        body = ins[a:i + 1]
+        if any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body):
+            if best is None or len(body) < best[1] - best[0] + 1:
+                best = (a, i)
+    if best is None:
+        return None
+    a, b = best
+    guarded = 0
+    for j in range(a, b):
+        m = re.match(r"@!?P\w+\s+BRA\s+`?\(?(\.L_x_\d+)", ins[j])
+        if m and m.group(1) in labels and j < labels[m.group(1)] <= b:
+            guarded += labels[m.group(1)] - j - 1
+    counts: dict[str, int] = {}
+    for t in ins[a:b + 1]:
+        op = _opcode(t)
+        counts[op] = counts.get(op, 0) + 1
+    hgmma = {k: v for k, v in counts.items() if k.startswith("HGMMA")}
+    return {"len": b - a + 1, "guarded": guarded, "hgmma": hgmma,
+            "counts": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+
+
 def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool,
                   kv_pair: bool = False, fused: bool = False, pingpong=None,
                   kv_stages=None, pin_pv_wait=None) -> str:
@@ -116,7 +170,16 @@ def main(argv=None) -> int:
                          "default)")
     ap.add_argument("--kv-stages", type=int, default=None,
                     help="K/V stages of a --consumers 2 kernel (default: the default)")
+    ap.add_argument("--loop-mix", action="store_true",
+                    help="also print the opcode mix of the main loop (loop_mix)")
+    ap.add_argument("--sass-file", default=None,
+                    help="read this nvdisasm listing instead of compiling (e.g. FA3's)")
     args = ap.parse_args(argv)
+    if args.sass_file:
+        with open(args.sass_file) as f:
+            sass = f.read()
+        print_profile(sass, args.loop_mix)
+        return 0
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("sass_profile: nvdisasm not found", file=sys.stderr)
@@ -128,10 +191,22 @@ def main(argv=None) -> int:
                           None if args.pin_pv_wait is None else args.pin_pv_wait == "on")
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
+    print_profile(sass, args.loop_mix)
+    return 0
+
+
+def print_profile(sass: str, mix: bool) -> None:
     order, totals = runs(sass)
     print("totals:", " ".join(f"{k}={v}" for k, v in totals.items()))
     print("order:", order)
-    return 0
+    if mix:
+        lm = loop_mix(sass)
+        if lm is None:
+            print("loop mix: no loop with HGMMA and MUFU.EX2")
+            return
+        print(f"loop mix: {lm['len']} instructions ({lm['guarded']} behind forward "
+              f"branches), HGMMA {lm['hgmma']}")
+        print("  " + ", ".join(f"{k}:{v}" for k, v in lm["counts"].items()))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,60 @@ def test_pinned_pv_wait_profile(capsys):
                for name, order in (("pinned", pinned), ("plain", plain))}
     assert exps_before_pv_wait(as_sass["pinned"]) >= 32
     assert exps_before_pv_wait(as_sass["plain"]) == 0
+
+
+LOOPS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   WARPGROUP.ARRIVE ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR8].tnspB, R24 ;
+        /*0040*/               @!P1 BRA `(.L_x_3) ;
+        /*0050*/                   ISETP.GT.AND P6, PT, R142, R21, PT ;
+        /*0060*/                   FSEL R89, R89, -INF , !P6 ;
+.L_x_3:
+        /*0070*/                   FMNMX R3, R24, R25, !PT ;
+        /*0080*/                   MUFU.EX2 R5, R5 ;
+        /*0090*/               @P0 FMUL R6, R6, R7 ;
+        /*00a0*/               @P2 BRA `(.L_x_2) ;
+        /*00b0*/                   FADD R8, R8, R9 ;
+        /*00c0*/               @P3 BRA `(.L_x_1) ;
+.L_x_4:
+        /*00d0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*00e0*/               @P4 BRA `(.L_x_4) ;
+"""
+
+
+def test_loop_mix_takes_the_shortest_loop_with_mma_and_exp2():
+    lm = sp.loop_mix(LOOPS)
+    # .L_x_2 .. its BRA (9 instructions); the outer loop is longer, .L_x_4 has no exp2
+    assert lm["len"] == 9 and lm["guarded"] == 2
+    assert lm["hgmma"] == {"HGMMA.64x64x16.F32.BF16": 1, "HGMMA.64x128x16.F32.BF16": 1}
+    assert lm["counts"]["FMUL"] == 1 and lm["counts"]["BRA"] == 2  # predicates stripped
+    assert "FADD" not in lm["counts"]
+    assert sp.loop_mix(SASS) is None  # a forward-only listing has no loop
+
+
+def test_loop_mix_of_a_listing_file(tmp_path, capsys):
+    f = tmp_path / "k.sass"
+    f.write_text(LOOPS)
+    assert sp.main(["--sass-file", str(f), "--loop-mix"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("loop mix: 9 instructions (2 behind forward branches)")
+    assert "MUFU.EX2:1" in out[3]
+
+
+@pytest.mark.skipif(sp.find_nvdisasm() is None, reason="needs nvdisasm")
+def test_default_prefill_kernel_loop_mix(capsys):
+    """The steady state of the default prefill kernel (128-row, unpacked): one 64-key page
+    a trip, QK^T as 8 m64n64k16 and PV as 4 m64n128k16 (D = 128), and the page's 32 exp2
+    a thread plus the two row corrections; the mask sits behind a branch."""
+    assert sp.main(["--variant", "7", "--unpacked", "--consumers", "2", "--loop-mix"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    mix = dict(kv.split(":") for kv in out[3].strip().split(", "))
+    assert int(mix["HGMMA.64x64x16.F32.BF16"]) == 8
+    assert int(mix["HGMMA.64x128x16.F32.BF16"]) == 4
+    assert int(mix["MUFU.EX2"]) == 34
+    guarded = int(out[2].split("(")[1].split()[0])
+    assert guarded >= 64  # 32 compares + 32 selects of the boundary mask

@@ -73,20 +73,39 @@ class M:
     VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
 
 
-def prometheus_sums(prefix: str = "vllm:") -> dict[str, float]:
+def prometheus_sums(prefix: str = "vllm:",
+                    split_labels: tuple[str, ...] = ("source",)) -> dict[str, float]:
     """This process's vLLM counters and gauges summed over labels, as floats, read from the
     Prometheus registry directly (``LLM.get_metrics()`` truncates counters to int, which
-    turns the seconds of ``vllm:kv_offload_*_time`` into 0).  Used by the KV-tier scripts."""
+    turns the seconds of ``vllm:kv_offload_*_time`` into 0).  Used by the KV-tier scripts.
+
+    Histograms give ``<name>_sum`` and ``<name>_count`` (e.g. ``vllm:iteration_tokens_total``:
+    tokens computed over all engine steps, and the number of steps).  A sample with a label
+    in ``split_labels`` is also summed under ``<name>[<value>]`` (e.g.
+    ``vllm:prompt_tokens_by_source[local_compute]``)."""
     from prometheus_client import REGISTRY
 
     out: dict[str, float] = {}
+
+    def add(key: str, v: float) -> None:
+        out[key] = out.get(key, 0.0) + v
+
     for fam in REGISTRY.collect():
-        if fam.type not in ("counter", "gauge") or not fam.name.startswith(prefix):
+        if not fam.name.startswith(prefix):
             continue
         for smp in fam.samples:
+            if fam.type == "histogram":
+                if smp.name.endswith("_sum") or smp.name.endswith("_count"):
+                    add(fam.name + smp.name[smp.name.rindex("_"):], float(smp.value))
+                continue
+            if fam.type not in ("counter", "gauge"):
+                continue
             if fam.type == "counter" and not smp.name.endswith("_total"):
                 continue  # skip *_created
-            out[fam.name] = out.get(fam.name, 0.0) + float(smp.value)
+            add(fam.name, float(smp.value))
+            for lab in split_labels:
+                if lab in smp.labels:
+                    add(f"{fam.name}[{smp.labels[lab]}]", float(smp.value))
     return out
 
 
