@@ -125,7 +125,18 @@ def child(cfg: dict) -> dict:
 
             ready_then_wait(cfg["gate_dir"], cfg["name"], r)
         runs.append(run_workload(llm, sp, cfg, cfg["seed"] + r))
+        log_repeat(cfg, runs[-1])
     return combine_repeats(cfg["name"], runs)
+
+
+def log_repeat(cfg: dict, run: dict) -> None:
+    """Append one finished repeat to ``<out>/repeats.jsonl`` as soon as it ends: a call cut
+    short by its time limit (the parent and its children killed before any result is
+    combined) still leaves every finished repeat on disk."""
+    if not cfg.get("out"):
+        return
+    with open(os.path.join(cfg["out"], "repeats.jsonl"), "a") as f:
+        f.write(json.dumps({"config": cfg["name"], **run}) + "\n")
 
 
 def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
@@ -475,7 +486,7 @@ def main() -> int:
                 conversations=args.conversations, context_len=args.context_len,
                 user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
                 wave=args.wave, vocab=hf.vocab_size, seed=0,
-                enforce_eager=args.enforce_eager, repeats=args.repeats)
+                enforce_eager=args.enforce_eager, repeats=args.repeats, out=out)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,

@@ -102,3 +102,15 @@ def test_gpu_busy_without_nvml_records_nothing_and_bad_samples_are_refused():
     assert summarize([10.0 * i for i in range(11)])["gpu_busy_p10"] == 10.0
     with pytest.raises(ValueError, match="outside 0..100"):
         summarize([101.0])
+
+
+def test_each_finished_repeat_is_on_disk_at_once(tmp_path):
+    cfg = {"name": "ion", "out": str(tmp_path)}
+    bench.log_repeat(cfg, {"seed": 0, "total_tok_s": 10.0})
+    bench.log_repeat({**cfg, "name": "native-default"}, {"seed": 0, "total_tok_s": 11.0})
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "repeats.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["total_tok_s"]) for r in rows] == [("ion", 10.0),
+                                                              ("native-default", 11.0)]
+    bench.log_repeat({"name": "x"}, {"seed": 0})  # no --out: nothing written, no error
