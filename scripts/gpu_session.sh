@@ -29,6 +29,7 @@
 #           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
 #           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
+# SESSION_DEADLINE_S (the chain's wall budget; see below),
 # KBENCH_BACKENDS, KBENCH_TIMING (interleaved, the default: backends alternate call by call; or queued), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
@@ -44,6 +45,12 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 # Run from a private copy of the checkout: every device call re-syncs the working tree, and
 # a file replaced while CuTeDSL reads a kernel's source fails that compile (seen on
 # 2026-12-01: one sweep case, "could not get source code" for a kernel method).
+# SESSION_DEADLINE_S: the whole chain's wall budget in seconds, counted from this start
+# (0 or unset: none).  Each step's limit is cut to what is left minus a 15 s margin, and a
+# step with under 30 s left is skipped, so that a device call's own limit never kills the
+# chain before the command after it (the tar of OUT) runs; the thirteenth session lost a
+# call's results that way.
+export ION_SESSION_T0=${ION_SESSION_T0:-$(date +%s)}
 if [ -z "${ION_SESSION_SNAPSHOT:-}" ]; then
   snap=$(mktemp -d /tmp/ion-session-src.XXXXXX)
   tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$snap" -xf -
@@ -58,8 +65,20 @@ steps=${SESSION_STEPS:-kbench preempt e2e kvtier}
 
 want() { [[ " $steps " == *" $1 "* ]]; }
 mark() { printf '%s %-8s %s\n' "$(date -u +%H:%M:%S)" "$1" "$2" >> "$out/steps.txt"; }
+deadline=${SESSION_DEADLINE_S:-0}
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  if [ "$deadline" -gt 0 ]; then
+    local left=$(( deadline - ($(date +%s) - ION_SESSION_T0) - 15 ))
+    if [ "$left" -lt 30 ]; then
+      mark "$name" "skipped: SESSION_DEADLINE_S=$deadline leaves ${left} s"
+      return
+    fi
+    if [ "$left" -lt "$secs" ]; then
+      mark "$name" "limit ${secs} s cut to ${left} s by SESSION_DEADLINE_S=$deadline"
+      secs=$left
+    fi
+  fi
   mark "$name" "start: $*"
   # every log line gets a UTC time stamp, so that overlaps between steps can be checked
   timeout "$secs" "$@" 2>&1 | while IFS= read -r l; do printf '%s %s\n' "$(date -u +%T)" "$l"; done \

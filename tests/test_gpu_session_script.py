@@ -75,3 +75,33 @@ def test_missing_demo_model_is_made_for_the_serving_steps(tmp_path):
     assert "model    rc=0" in steps, steps
     assert (tmp_path / "demo" / "config.json").exists()
     assert "kvtier   start" in steps
+
+
+def test_deadline_cuts_step_limits_and_skips_what_cannot_fit(tmp_path):
+    """SESSION_DEADLINE_S: a step's limit is cut to the time left (minus 15 s), and a step
+    with under 30 s left is skipped, so the command after the chain (a tar of OUT) still
+    runs inside the device call's own limit."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("cutlass")
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "config.json").write_text("{}")  # no model step
+    out = tmp_path / "o"
+    env = _env(tmp_path, SESSION_STEPS="kvtier", KVTIER_S="600", KVTIER_CONFIGS="ion",
+               SESSION_DEADLINE_S="100")
+    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = (out / "steps.txt").read_text()
+    cut = [x for x in steps.splitlines() if "cut to" in x]
+    assert len(cut) == 1 and "kvtier   limit 600 s cut to" in cut[0], steps
+    left = int(cut[0].split("cut to ")[1].split()[0])
+    assert 60 <= left <= 85, steps  # 100 - elapsed - 15
+    assert "kvtier   start" in steps
+    out2 = tmp_path / "o2"
+    env2 = dict(env, SESSION_DEADLINE_S="40")  # 40 - 15 < 30: nothing fits
+    r = subprocess.run(["bash", SCRIPT, str(out2)], capture_output=True, text=True, env=env2,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = (out2 / "steps.txt").read_text()
+    assert "kvtier   skipped: SESSION_DEADLINE_S=40" in steps, steps
+    assert "kvtier   start" not in steps and not (out2 / "kvtier.log").exists()
