@@ -116,7 +116,7 @@ def loop_mix(sass: str) -> dict | None:
     a, b = best
     guarded = 0
     for j in range(a, b):
-        m = re.match(r"@!?P\w+\s+BRA\s+`?\(?(\.L_x_\d+)", ins[j])
+        m = re.match(r"@!?U?P\w+\s+BRA\s+`?\(?(\.L_x_\d+)", ins[j])
         if m and m.group(1) in labels and j < labels[m.group(1)] <= b:
             guarded += labels[m.group(1)] - j - 1
     counts: dict[str, int] = {}

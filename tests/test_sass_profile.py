@@ -69,6 +69,9 @@ LOOPS = """
         /*0060*/                   FSEL R89, R89, -INF , !P6 ;
 .L_x_3:
         /*0070*/                   FMNMX R3, R24, R25, !PT ;
+        /*0074*/              @!UP0 BRA `(.L_x_5) ;
+        /*0078*/                   FADD R10, R10, R11 ;
+.L_x_5:
         /*0080*/                   MUFU.EX2 R5, R5 ;
         /*0090*/               @P0 FMUL R6, R6, R7 ;
         /*00a0*/               @P2 BRA `(.L_x_2) ;
@@ -82,11 +85,12 @@ LOOPS = """
 
 def test_loop_mix_takes_the_shortest_loop_with_mma_and_exp2():
     lm = sp.loop_mix(LOOPS)
-    # .L_x_2 .. its BRA (9 instructions); the outer loop is longer, .L_x_4 has no exp2
-    assert lm["len"] == 9 and lm["guarded"] == 2
+    # .L_x_2 .. its BRA (11 instructions); the outer loop is longer, .L_x_4 has no exp2;
+    # the mask (2) and the uniform-predicated skip (1) are guarded
+    assert lm["len"] == 11 and lm["guarded"] == 3
     assert lm["hgmma"] == {"HGMMA.64x64x16.F32.BF16": 1, "HGMMA.64x128x16.F32.BF16": 1}
-    assert lm["counts"]["FMUL"] == 1 and lm["counts"]["BRA"] == 2  # predicates stripped
-    assert "FADD" not in lm["counts"]
+    assert lm["counts"]["FMUL"] == 1 and lm["counts"]["BRA"] == 3  # predicates stripped
+    assert lm["counts"]["FADD"] == 1  # the FADD after the loop's branch is outside
     assert sp.loop_mix(SASS) is None  # a forward-only listing has no loop
 
 
@@ -95,7 +99,7 @@ def test_loop_mix_of_a_listing_file(tmp_path, capsys):
     f.write_text(LOOPS)
     assert sp.main(["--sass-file", str(f), "--loop-mix"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2].startswith("loop mix: 9 instructions (2 behind forward branches)")
+    assert out[2].startswith("loop mix: 11 instructions (3 behind forward branches)")
     assert "MUFU.EX2:1" in out[3]
 
 

@@ -77,4 +77,3 @@ class GpuBusySampler:
 
     def summary(self) -> dict:
         return summarize(self.samples)
-
