@@ -23,6 +23,7 @@ out of HBM by the others.
 
     python scripts/kv_tier_bench.py MODEL [--attention-backend ION] \
         [--kv-cache-memory-bytes N] [--host-gib 8] [--out bench/results/kv-tier-<date>]
+    python scripts/kv_tier_bench.py --from-repeats OUT   # results of a run cut short
 
 Defaults (8k contexts, 32 generated tokens per turn, CUDA graphs on) make the
 returning turns' prefill the dominant cost, which is what a KV tier exists to save.
@@ -137,6 +138,27 @@ def log_repeat(cfg: dict, run: dict) -> None:
         return
     with open(os.path.join(cfg["out"], "repeats.jsonl"), "a") as f:
         f.write(json.dumps({"config": cfg["name"], **run}) + "\n")
+
+
+def rebuild_from_repeats(out: str) -> list[str]:
+    """``kv_tier_bench.py --from-repeats OUT``: results.json / results.md of a run that was
+    cut short, from the repeats that finished (``OUT/repeats.jsonl``) and the run's
+    ``OUT/meta.json``; configs in the order they first finished.  Returns the table
+    lines."""
+    from types import SimpleNamespace
+
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    by: dict[str, list[dict]] = {}
+    with open(os.path.join(out, "repeats.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                run = json.loads(line)
+                by.setdefault(run.pop("config"), []).append(run)
+    results = [combine_repeats(name, runs) for name, runs in by.items()]
+    meta = {**meta, "rebuilt_from_repeats": True}
+    return write_results(out, meta, results, SimpleNamespace(**meta["args"]),
+                         meta["hbm_kv_pool_bytes"], meta["reuse_set_bytes"])
 
 
 def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
@@ -424,6 +446,9 @@ def bar_lines(by: dict) -> list[str]:
 
 
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--from-repeats":
+        print("\n".join(rebuild_from_repeats(sys.argv[2])))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         with open(sys.argv[2]) as f:
             cfg = json.load(f)
@@ -492,6 +517,8 @@ def main() -> int:
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
             "args": vars(args)}
     meta["colocate"] = args.colocate
+    with open(os.path.join(out, "meta.json"), "w") as f:  # for --from-repeats
+        json.dump(meta, f, indent=1)
     results = []
     lines: list[str] = []
 

@@ -114,3 +114,38 @@ def test_each_finished_repeat_is_on_disk_at_once(tmp_path):
     assert [(r["config"], r["total_tok_s"]) for r in rows] == [("ion", 10.0),
                                                               ("native-default", 11.0)]
     bench.log_repeat({"name": "x"}, {"seed": 0})  # no --out: nothing written, no error
+
+
+def test_results_of_a_cut_run_are_rebuilt_from_its_finished_repeats(tmp_path):
+    """``--from-repeats OUT``: a run killed by its time limit left meta.json and
+    repeats.jsonl; the tables come back from them, configs in finishing order."""
+    import json
+    import subprocess
+    import sys
+
+    args = dict(model="m", attention_backend="ION", host_gib=1.0, conversations=2, turns=1,
+                context_len=8, user_len=1, max_tokens=1, wave=1)
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"args": args, "hbm_kv_pool_bytes": 1 << 20, "reuse_set_bytes": 4 << 20}))
+
+    def run(name, seed, tok_s):
+        return {"config": name, "seed": seed, "requests": 1, "wall_s": 1.0,
+                "ttft_p50_ms": 100.0 / tok_s, "ttft_p99_ms": 1.0, "output_tok_s": 1.0,
+                "total_tok_s": tok_s, "prompt_tokens": 1, "output_tokens": 1,
+                "host_hit_rate": 0.5, "preemptions": 0.0, "tier_metrics": {},
+                **bench.engine_step_stats({"vllm:iteration_tokens_total_count": 10.0,
+                                           "vllm:iteration_tokens_total_sum": 50.0}, 1.0)}
+
+    rows = [run("ion", 0, 90.0), run("native-default", 0, 100.0), run("ion", 1, 110.0)]
+    (tmp_path / "repeats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, bench.__file__, "--from-repeats", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["rebuilt_from_repeats"] is True
+    res = {x["config"]: x for x in saved["results"]}
+    assert [x["config"] for x in saved["results"]] == ["ion", "native-default"]
+    assert res["ion"]["repeats"] == 2 and res["ion"]["total_tok_s"] == 100.0
+    md = (tmp_path / "results.md").read_text()
+    assert "| ion | 1 |" in md and "Engine steps" in md
+    assert "paired by repeat: 0.900 (1 pairs)" in md  # ion r0 against native-default r0
