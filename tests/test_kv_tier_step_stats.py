@@ -57,9 +57,10 @@ def test_step_table_shows_means_and_skips_old_results(tmp_path):
         return {"config": "ion", "seed": seed, "requests": 1, "wall_s": 10.0 + seed,
                 "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "output_tok_s": 1.0,
                 "total_tok_s": 10.0, "prompt_tokens": 1, "output_tokens": 1,
-                "host_hit_rate": 0.5, "preemptions": 0.0, "tier_metrics": {}, **bench.engine_step_stats(
-                    {"vllm:iteration_tokens_total_count": steps,
-                     "vllm:iteration_tokens_total_sum": 10.0 * steps}, 10.0 + seed),
+                "host_hit_rate": 0.5, "preemptions": 0.0, "tier_metrics": {},
+                **bench.engine_step_stats({"vllm:iteration_tokens_total_count": steps,
+                                           "vllm:iteration_tokens_total_sum": 10.0 * steps},
+                                          10.0 + seed),
                 "gpu_busy_pct": busy}
 
     r = bench.combine_repeats("ion", [run(0, 100.0, 90.0), run(1, 300.0, 80.0)])
