@@ -519,6 +519,10 @@ def main() -> int:
     meta["colocate"] = args.colocate
     with open(os.path.join(out, "meta.json"), "w") as f:  # for --from-repeats
         json.dump(meta, f, indent=1)
+    # a fresh run starts a fresh log: an earlier run's repeats in the same OUT must not be
+    # mixed into this one's (--from-repeats reads them all)
+    if os.path.exists(os.path.join(out, "repeats.jsonl")):
+        os.remove(os.path.join(out, "repeats.jsonl"))
     results = []
     lines: list[str] = []
 

@@ -150,3 +150,34 @@ def test_results_of_a_cut_run_are_rebuilt_from_its_finished_repeats(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| ion | 1 |" in md and "Engine steps" in md
     assert "paired by repeat: 0.900 (1 pairs)" in md  # ion r0 against native-default r0
+
+
+def test_a_fresh_run_writes_meta_and_drops_an_earlier_runs_repeats(tmp_path, monkeypatch):
+    """--from-repeats reads every line of OUT/repeats.jsonl, so a new run into the same
+    OUT must not inherit an earlier run's repeats; it writes the meta.json the rebuild
+    needs before any config runs."""
+    import json
+    import sys
+
+    from test_registration import TINY_QWEN2
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "repeats.jsonl").write_text(json.dumps({"config": "stale", "seed": 0}) + "\n")
+    seen = []
+
+    def fake_child(cfg):
+        seen.append((cfg["name"], (out / "repeats.jsonl").exists(),
+                     (out / "meta.json").exists()))
+        return {"config": cfg["name"], "error": "child exited 1"}
+
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    monkeypatch.setattr(sys, "argv", ["kv_tier_bench.py", str(model), "--configs", "ion",
+                                      "--out", str(out)])
+    assert bench.main() == 0
+    assert seen == [("ion", False, True)]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["args"]["configs"] == "ion" and meta["reuse_set_bytes"] > 0
