@@ -137,7 +137,7 @@ def log_repeat(cfg: dict, run: dict) -> None:
     if not cfg.get("out"):
         return
     with open(os.path.join(cfg["out"], "repeats.jsonl"), "a") as f:
-        f.write(json.dumps({"config": cfg["name"], **run}) + "\n")
+        f.write(json.dumps(run) + "\n")  # run_workload's record names its config
 
 
 def rebuild_from_repeats(out: str) -> list[str]:
@@ -154,7 +154,7 @@ def rebuild_from_repeats(out: str) -> list[str]:
         for line in f:
             if line.strip():
                 run = json.loads(line)
-                by.setdefault(run.pop("config"), []).append(run)
+                by.setdefault(run["config"], []).append(run)
     results = [combine_repeats(name, runs) for name, runs in by.items()]
     meta = {**meta, "rebuilt_from_repeats": True}
     return write_results(out, meta, results, SimpleNamespace(**meta["args"]),

@@ -89,8 +89,14 @@ def _instructions(sass: str) -> tuple[list[str], dict[str, int]]:
     return ins, labels
 
 
+#: an instruction's guard predicate (``@P0``, ``@!P1``, ``@UP0``, ``@!UP2``) and a branch's
+#: label, as nvdisasm prints them
+_GUARD = r"@!?U?P\w+\s+"
+_BRA_TARGET = r"BRA\s+`?\(?(\.L_x_\d+)"
+
+
 def _opcode(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+    return re.sub("^" + _GUARD, "", text).split()[0]
 
 
 def loop_mix(sass: str) -> dict | None:
@@ -103,7 +109,7 @@ def loop_mix(sass: str) -> dict | None:
     ins, labels = _instructions(sass)
     best = None
     for i, t in enumerate(ins):
-        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", t)
+        m = re.search(_BRA_TARGET, t)
         if not m or m.group(1) not in labels or labels[m.group(1)] > i:
             continue
         a = labels[m.group(1)]
@@ -116,7 +122,7 @@ def loop_mix(sass: str) -> dict | None:
     a, b = best
     guarded = 0
     for j in range(a, b):
-        m = re.match(r"@!?U?P\w+\s+BRA\s+`?\(?(\.L_x_\d+)", ins[j])
+        m = re.match(_GUARD + _BRA_TARGET, ins[j])
         if m and m.group(1) in labels and j < labels[m.group(1)] <= b:
             guarded += labels[m.group(1)] - j - 1
     counts: dict[str, int] = {}

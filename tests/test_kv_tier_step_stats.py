@@ -107,8 +107,10 @@ def test_gpu_busy_without_nvml_records_nothing_and_bad_samples_are_refused():
 
 def test_each_finished_repeat_is_on_disk_at_once(tmp_path):
     cfg = {"name": "ion", "out": str(tmp_path)}
-    bench.log_repeat(cfg, {"seed": 0, "total_tok_s": 10.0})
-    bench.log_repeat({**cfg, "name": "native-default"}, {"seed": 0, "total_tok_s": 11.0})
+    # records as run_workload returns them (each names its config)
+    bench.log_repeat(cfg, {"config": "ion", "seed": 0, "total_tok_s": 10.0})
+    bench.log_repeat({**cfg, "name": "native-default"},
+                     {"config": "native-default", "seed": 0, "total_tok_s": 11.0})
     import json
 
     rows = [json.loads(x) for x in (tmp_path / "repeats.jsonl").read_text().splitlines()]

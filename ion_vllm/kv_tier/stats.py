@@ -95,8 +95,8 @@ def prometheus_sums(prefix: str = "vllm:",
             continue
         for smp in fam.samples:
             if fam.type == "histogram":
-                if smp.name.endswith("_sum") or smp.name.endswith("_count"):
-                    add(fam.name + smp.name[smp.name.rindex("_"):], float(smp.value))
+                if smp.name in (fam.name + "_sum", fam.name + "_count"):
+                    add(smp.name, float(smp.value))
                 continue
             if fam.type not in ("counter", "gauge"):
                 continue
