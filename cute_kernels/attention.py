@@ -103,23 +103,24 @@ def _fake_args(variant: Variant, unpacked: bool = False):
 
 
 def _check_consumers(consumers: int) -> int:
-    if consumers not in (1, 2):
-        raise ValueError(f"consumers must be 1 (64-row q tiles) or 2 (128-row), got {consumers}")
+    if consumers not in (1, 2, 3):
+        raise ValueError("consumers must be 1 (64-row q tiles), 2 (128-row) or 3 (192-row), "
+                         f"got {consumers}")
     return int(consumers)
 
 
 def consumers_for_tile_m(tile_m: int) -> int:
     """Kernel consumer warpgroups that run plans of ``tile_m`` MMA rows per q tile."""
-    if tile_m not in (64, 128):
-        raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+    if tile_m not in (64, 128, 192):
+        raise ValueError(f"tile_m must be 64, 128 or 192, got {tile_m}")
     return tile_m // 64
 
 
 def ctas_per_sm_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     """Resident CTAs per SM of the persistent grid: 2 for the 256-thread (consumers=1)
     kernels, whatever the page size (see ``kv_stages_for``), 1 for the 384-thread
-    consumers=2 kernels."""
-    if _check_consumers(consumers) == 2:
+    consumers=2 kernels and the 512-thread consumers=3 kernels."""
+    if _check_consumers(consumers) >= 2:
         return 1
     return CTAS_PER_SM
 
@@ -145,7 +146,9 @@ def kv_stages_for(consumers: int, page_size: int = PAGE_SIZE) -> int:
     c = _check_consumers(consumers)
     if c == 1 and page_size > PAGE_SIZE:
         return 1
-    if c == 2 and page_size == PAGE_SIZE:
+    if c >= 2 and page_size == PAGE_SIZE:
+        # consumers=3: 4 x 32 KiB of K and V plus six 64-row Q buffers (96 KiB) = 224 KiB
+        # of the SM's 227 (the 192-row experiment, bench/notes.md v17)
         return 4
     return 2
 
@@ -167,12 +170,12 @@ def check_kv_stages(kv_stages, consumers: int, page_size: int = PAGE_SIZE,
     n = int(kv_stages)
     if n not in DEEP_KV_STAGES:
         raise ValueError(f"kv_stages must be one of {DEEP_KV_STAGES}, got {kv_stages}")
-    if _check_consumers(consumers) != 2 or page_size != PAGE_SIZE or kv_pair:
-        raise ValueError("kv_stages is an option of the 128-row (tile_m=128) kernels over "
-                         f"{PAGE_SIZE}-token pages without kv_pair, got consumers={consumers}, "
-                         f"page_size={page_size}, kv_pair={kv_pair}")
+    if _check_consumers(consumers) < 2 or page_size != PAGE_SIZE or kv_pair:
+        raise ValueError("kv_stages is an option of the 128- and 192-row (tile_m=128, 192) "
+                         f"kernels over {PAGE_SIZE}-token pages without kv_pair, got "
+                         f"consumers={consumers}, page_size={page_size}, kv_pair={kv_pair}")
     # the default depth is the default kernel (one compiled kernel, not two)
-    return None if n == kv_stages_for(2, page_size) else n
+    return None if n == kv_stages_for(consumers, page_size) else n
 
 
 #: whether the 128-row (consumers=2) kernels run warpgroup ping-pong by default
@@ -219,10 +222,10 @@ def _or_default(checked, default: bool) -> bool:
     return default if checked is None else bool(checked)
 
 
-def _c2_stages(variant: Variant, kv_pair: bool) -> int:
-    """Default K/V stages of a consumers=2 kernel: page pairs hold two pages per stage on 2
-    stages (the same shared memory as 4 single-page stages)."""
-    return 2 if kv_pair else kv_stages_for(2, variant.page_size)
+def _multi_stages(variant: Variant, kv_pair: bool, consumers: int = 2) -> int:
+    """Default K/V stages of a consumers=2 or 3 kernel: page pairs hold two pages per stage
+    on 2 stages (the same shared memory as 4 single-page stages)."""
+    return 2 if kv_pair else kv_stages_for(consumers, variant.page_size)
 
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
@@ -244,12 +247,13 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
     pin = _or_default(check_pin_pv_wait(pin_pv_wait), PIN_PV_WAIT_DEFAULT)
-    if _check_consumers(consumers) == 2:
+    c = _check_consumers(consumers)
+    if c >= 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
-                                unpacked_prefill=unpacked, consumers=2,
+                                unpacked_prefill=unpacked, consumers=c,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or _c2_stages(variant, kv_pair),
+                                kv_stages=stages or _multi_stages(variant, kv_pair, c),
                                 pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
@@ -279,12 +283,13 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
     stages = check_kv_stages(kv_stages, consumers, variant.page_size, kv_pair)
     pp = check_pingpong(pingpong, consumers)
     pin = _or_default(check_pin_pv_wait(pin_pv_wait), PIN_PV_WAIT_DEFAULT)
-    if _check_consumers(consumers) == 2:
+    c = _check_consumers(consumers)
+    if c >= 2:
         return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim,
                                 variant.group_pad, variant.page_size, ctas_per_sm=1,
-                                fresh_kv=True, unpacked_prefill=unpacked, consumers=2,
+                                fresh_kv=True, unpacked_prefill=unpacked, consumers=c,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
-                                kv_stages=stages or _c2_stages(variant, kv_pair),
+                                kv_stages=stages or _multi_stages(variant, kv_pair, c),
                                 pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,

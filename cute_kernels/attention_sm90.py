@@ -142,12 +142,13 @@ class IonAttentionSm90:
             raise ValueError(f"group_pad must be 1, 2, 4 or 8, got {group_pad}")
         if page_size not in (64, 128):
             raise ValueError(f"page_size must be 64 or 128, got {page_size}")
-        if consumers not in (1, 2):
-            raise ValueError(f"consumers must be 1 or 2, got {consumers}")
+        if consumers not in (1, 2, 3):
+            raise ValueError(f"consumers must be 1, 2 or 3, got {consumers}")
         if ctas_per_sm is None:
             ctas_per_sm = 2 if consumers == 1 else 1
-        if consumers == 2 and ctas_per_sm != 1:
-            raise ValueError("consumers=2 (384 threads, 128-row q tiles) runs one CTA per SM: "
+        if consumers >= 2 and ctas_per_sm != 1:
+            raise ValueError(f"consumers={consumers} ({128 * (1 + consumers)} threads, "
+                             f"{64 * consumers}-row q tiles) runs one CTA per SM: "
                              f"ctas_per_sm must be 1, got {ctas_per_sm}")
         self.dtype = dtype
         self.head_dim = head_dim
@@ -184,6 +185,11 @@ class IonAttentionSm90:
             # 128 x 24 + 256 x 240 = 128 x 40 + 256 x 232 = 64512 <= 65536
             self.producer_regs = 40 if self.fresh_kv else 24
             self.consumer_regs = 232 if self.fresh_kv else 240
+        if consumers == 3:
+            # one CTA of 512 threads per SM (entry budget 128 registers a thread):
+            # 128 x 24 + 384 x 160 = 128 x 40 + 384 x 152 = 64512 <= 65536
+            self.producer_regs = 40 if self.fresh_kv else 24
+            self.consumer_regs = 152 if self.fresh_kv else 160
         # unpacked prefill tiles (work col 8 >= 0): a second Q TMA atom (1 head x 64 tokens)
         # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
         self.unpacked = bool(unpacked_prefill)
@@ -575,7 +581,7 @@ class IonAttentionSm90:
                     p1 = mWork[it, W_P1]
                     tok0 = mQSL[b] + q_start
                     qh = -1
-                    if cutlass.const_expr(self.consumers == 2):
+                    if cutlass.const_expr(self.consumers >= 2):
                         # 128-row tile: two 64-row Q boxes (one per consumer warpgroup) into
                         # buffers 2 * stage + half, completing on the stage's one barrier
                         q_handle = q_prod.acquire_and_advance()
@@ -813,7 +819,7 @@ class IonAttentionSm90:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             ctid = tidx - 128
             q_half = 0
-            if cutlass.const_expr(self.consumers == 2):
+            if cutlass.const_expr(self.consumers >= 2):
                 # consumer warpgroup w = 1, 2 computes rows 64*(w-1) .. +63 of the 128-row
                 # tile from Q buffer 2 * stage + (w - 1)
                 ctid = tidx - 128 * wg_idx
@@ -869,7 +875,7 @@ class IonAttentionSm90:
                         gmask = cutlass.Int32(0)
                         head_base = head_base + qh
                 poff_rows = 0
-                if cutlass.const_expr(self.consumers == 2):
+                if cutlass.const_expr(self.consumers >= 2):
                     # this warpgroup's half as a 64-row tile: its first token is tok_off
                     # tokens into the item (row 64*(w-1) -> token (64*(w-1)) >> shift), it
                     # holds q_cnt - tok_off of the item's tokens (<= 0: none, nothing is
@@ -896,8 +902,8 @@ class IonAttentionSm90:
 
                 q_handle = q_cons.wait_and_advance()
                 q_buf = q_handle.index
-                if cutlass.const_expr(self.consumers == 2):
-                    q_buf = q_handle.index * 2 + q_half
+                if cutlass.const_expr(self.consumers >= 2):
+                    q_buf = q_handle.index * self.consumers + q_half
                 # first page: S = Q K^T, softmax -> P
                 k_handle = k_cons.wait_and_advance()
                 self._turn_wait(q_half)
@@ -970,7 +976,7 @@ class IonAttentionSm90:
                                         mQSL[b] + q_start, h * group_size)
                 else:
                     poff_w = poff
-                    if cutlass.const_expr(self.consumers == 2):
+                    if cutlass.const_expr(self.consumers >= 2):
                         poff_w = poff + poff_rows
                     self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial,
                                         row0, q_cnt, group_size, poff_w, scale_log2)

@@ -44,12 +44,12 @@ def qsl_of(q_lens):
     return np.concatenate([[0], np.cumsum(np.asarray(q_lens, dtype=np.int64))]).astype(np.int32)
 
 
-def check_plan_128(p, q_lens, seq_lens, *, hkv, g):
+def check_plan_128(p, q_lens, seq_lens, *, hkv, g, tm=TM):
     """Exact once-only coverage of (request, q head, token, page) by the items of a
-    tile_m=128 plan, plus the split-KV partial-row layout of 128-row tiles."""
-    assert p.tile_m == TM
+    tile_m=128 (or ``tm``) plan, plus the split-KV partial-row layout of its tiles."""
+    assert p.tile_m == tm
     gp = next_pow2(g)
-    tpt = TM // gp
+    tpt = tm // gp
     q = np.asarray(q_lens)
     sl = np.asarray(seq_lens)
     seen = {}
@@ -64,7 +64,7 @@ def check_plan_128(p, q_lens, seq_lens, *, hkv, g):
             assert 1 <= nt <= tpt and t0 % tpt == 0 and t0 + nt <= q[b], f"item {i}: tokens"
             heads = list(range(h * g, h * g + g))
         else:
-            assert qh < g and 1 <= nt <= TM and t0 % TM == 0 and t0 + nt <= q[b]
+            assert qh < g and 1 <= nt <= tm and t0 % tm == 0 and t0 + nt <= q[b]
             assert ns == 1 and p.partial_offsets[i] == -1, f"item {i}: unpacked split"
             heads = [h * g + qh]
         last_pos = ctx + t0 + nt - 1
@@ -326,7 +326,7 @@ def test_bad_configurations_are_refused():
     from cute_kernels.attention_sm90 import IonAttentionSm90
 
     with pytest.raises(ValueError, match="consumers"):
-        IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=3)
+        IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=4)
     with pytest.raises(ValueError, match="ctas_per_sm"):
         IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2, ctas_per_sm=2)
     k = IonAttentionSm90(cutlass.BFloat16, 128, 8, consumers=2)

@@ -32,9 +32,9 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-pdl", "ion-auto-lc", "ion-auto-kp", "ion-auto-append", "ion-auto-fused",
             "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
-            "ion-auto-pin", "ion-auto-fused-pin",
+            "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
             "ion-unpacked",
-            "ion-m128", "ion-m128-unpacked", "fa3", "fa4", "triton")
+            "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
 
@@ -240,11 +240,34 @@ def _prepare_fa(case: Case, rot: int, device, shared: dict, ver: int) -> Prepare
                   causal=True, block_table=bt, scheduler_metadata=sched,
                   fa_version=ver, num_splits=0)
 
-    return Prepared(call, out)
+    return Prepared(call, out, kv_cache=(kc, vc))
 
 
 def prepare_fa3(case, rot, device, shared):
     return _prepare_fa(case, rot, device, shared, 3)
+
+
+def prepare_fa3_layer(case, rot, device, shared):
+    """What one vLLM FLASH_ATTN layer launches: ``reshape_and_cache_flash`` of the step's
+    new K/V rows into the paged cache, then FA3 (both timed).  The counterpart of
+    ``ion-auto-fused``, whose one launch does both; ``fa3`` times the attention alone."""
+    import torch
+    try:
+        from vllm._custom_ops import reshape_and_cache_flash
+    except Exception as e:  # noqa: BLE001
+        raise BackendUnavailable(f"vllm reshape_and_cache_flash import failed: {e!r}") from e
+    prep = _prepare_fa(case, rot, device, shared, 3)
+    key, value, slots = new_token_rows(case, rot, device, page=case.fa_page)
+    # the caches _prepare_fa attends over (this rotation's)
+    kc, vc = prep.kv_cache
+    one = torch.ones((), dtype=torch.float32, device=device)
+    attend = prep.call
+
+    def call():
+        reshape_and_cache_flash(key, value, kc, vc, slots, "auto", one, one)
+        return attend()
+
+    return Prepared(call, prep.out, kv_cache=(kc, vc))
 
 
 def prepare_fa4(case, rot, device, shared):
@@ -400,14 +423,15 @@ def prepare_ion_auto_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
                        **dict(opts, kv_pair=opts["tile_m"] == 128))
 
 
-def new_token_rows(case: Case, rot: int, device):
+def new_token_rows(case: Case, rot: int, device, page: int | None = None):
     """This step's new K/V rows ``[total_q, Hkv, D]`` (each request's last ``q_len`` logical
     tokens, request-major like q) and their ION cache slots (``page * P + offset``, int64):
     what vLLM hands the backend as key / value / slot_mapping.  The cache ``ion_cache``
     builds already holds these tokens, so writing them again changes nothing and every
-    variant's output stays comparable."""
+    variant's output stays comparable.  ``page``: the slots of that page size's cache
+    instead (``fa_cache`` at ``case.fa_page``)."""
     import torch
-    P = case.ion_page
+    P = case.ion_page if page is None else int(page)
     _, k_log, v_log = logical_qkv(case, rot, device)
     _, tok_page, tok_off, _ = page_assignment(case, P, rot)
     idx, t0 = [], 0
@@ -547,6 +571,26 @@ def prepare_ion_auto_fused_pin(case: Case, rot: int, device, shared: dict) -> Pr
     return prepare_ion_auto_fused(case, rot, device, shared, pin_pv_wait=True)
 
 
+def _c3_tile_m(case: Case) -> int:
+    """``ion-auto``'s tile size with 192 in place of 128: the three-consumer kernels run the
+    steps ``choose_tile_m`` gives 128-row tiles; 64-row steps are unchanged."""
+    tile_m = auto_plan_options(case)["tile_m"]
+    return 192 if tile_m == 128 else tile_m
+
+
+def prepare_ion_auto_c3(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` with 192-row q tiles where it runs 128-row ones (``tile_m=192`` plans,
+    kernel ``IonAttentionSm90(consumers=3)``: three consumer warpgroups share every K/V
+    stage, 512 threads, one CTA per SM; bench/notes.md v17, an experiment)."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), tile_m=_c3_tile_m(case)))
+
+
+def prepare_ion_auto_fused_c3(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` with 192-row q tiles where it runs 128-row ones."""
+    return prepare_ion_auto_fused(case, rot, device, shared, tile_m=_c3_tile_m(case))
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -559,9 +603,10 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-np": prepare_ion_auto_np, "ion-auto-fused-np": prepare_ion_auto_fused_np,
            "ion-auto-pin": prepare_ion_auto_pin,
            "ion-auto-fused-pin": prepare_ion_auto_fused_pin,
+           "ion-auto-c3": prepare_ion_auto_c3, "ion-auto-fused-c3": prepare_ion_auto_fused_c3,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
-           "fa3": prepare_fa3, "fa4": prepare_fa4,
+           "fa3": prepare_fa3, "fa3-layer": prepare_fa3_layer, "fa4": prepare_fa4,
            "triton": prepare_triton}
 
 
