@@ -187,9 +187,14 @@ class IonAttentionSm90:
             self.consumer_regs = 232 if self.fresh_kv else 240
         if consumers == 3:
             # one CTA of 512 threads per SM (entry budget 128 registers a thread):
-            # 128 x 24 + 384 x 160 = 128 x 40 + 384 x 152 = 64512 <= 65536
+            # 128 x 40 + 384 x 144 = 60416 <= 65536.  144 rather than the 152-160 that fit:
+            # with more, ptxas rematerializes the steady state's exp2s in some D = 128
+            # variants (66 FFMA + MUFU.EX2 a page instead of 34; at 160 the plain unpacked
+            # kernel ran 15% slower than the 128-row one on the H200, bench/notes.md v17);
+            # at 144 every D = 128 variant issues 34, spill-free (tests pin it).  The D = 64
+            # variants issue 66 at any budget from 136 to 160.
             self.producer_regs = 40 if self.fresh_kv else 24
-            self.consumer_regs = 152 if self.fresh_kv else 160
+            self.consumer_regs = 144
         # unpacked prefill tiles (work col 8 >= 0): a second Q TMA atom (1 head x 64 tokens)
         # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
         self.unpacked = bool(unpacked_prefill)

@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", type=int, default=7, help="index into variants.ALL_VARIANTS")
     ap.add_argument("--unpacked", action="store_true")
-    ap.add_argument("--consumers", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--consumers", type=int, default=1, choices=(1, 2, 3))
     ap.add_argument("--lazy-rescale", action="store_true")
     ap.add_argument("--kv-pair", action="store_true", help="page pairs (needs --consumers 2)")
     ap.add_argument("--fused", action="store_true", help="the fused-writeback kernel")

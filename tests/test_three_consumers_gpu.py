@@ -102,9 +102,10 @@ def test_192_rows_fused_writeback(unpacked, force_split):
     hq, hkv, d, dtype = 28, 4, 128, torch.bfloat16
     g = hq // hkv
     # contexts 37, 0, 1 and 70 (fresh tiles straddle pages), decode rows, a row with 0 new
-    # tokens, chunks of 1-7 fresh tiles, 192-row boundaries
-    q_lens = [1, 256, 0, 192, 3, 64, 130, 1, 385]
-    seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1, 130 + 70, 150, 385 + 1]
+    # tokens, chunks of 1-7 fresh tiles, 192-row boundaries, a 3000-token decode row (the
+    # one that splits under the split-friendly cost model)
+    q_lens = [1, 256, 0, 192, 3, 64, 130, 1, 385, 1]
+    seq_lens = [700, 256 + 37, 50, 192, 90, 64 + 1, 130 + 70, 150, 385 + 1, 3000]
     case = fused_reference_case(51 + unpacked + 2 * force_split, 52 + unpacked + 2 * force_split,
                                 q_lens, seq_lens, hq=hq, hkv=hkv, d=d, dtype=dtype, page=P,
                                 pad_rows=2)
