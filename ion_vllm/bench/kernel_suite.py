@@ -165,6 +165,18 @@ def prefill(length: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
                 (length,), (length,), hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
 
 
+def prefill_chunk(length: int, ctx: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAULT_D,
+                  fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    """One chunked-prefill row: ``length`` new tokens over ``ctx`` cached ones (causal), the
+    later chunks of a prompt longer than the step's token budget."""
+    return Case(f"chunk-1x{length}c{ctx}" + _suffix(hq, hkv, d, fa_page),
+                (length,), (ctx + length,), hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
+
+
+def _chunks() -> list[Case]:
+    return [prefill_chunk(2048, 6144), prefill_chunk(4096, 4096)]
+
+
 def _anchors() -> list[Case]:
     return [
         decode(32, 8192),
@@ -209,7 +221,7 @@ def _dedupe(cases: list[Case]) -> list[Case]:
     return list(seen.values())
 
 
-SUITES = ("smoke", "anchors", "gqa", "pages", "full")
+SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "full")
 
 
 def suite(name: str) -> list[Case]:
@@ -221,8 +233,10 @@ def suite(name: str) -> list[Case]:
         return _dedupe(_gqa())
     if name == "pages":
         return _pages()
+    if name == "chunks":
+        return _chunks()
     if name == "full":
-        return _dedupe(_anchors() + _gqa() + _pages())
+        return _dedupe(_anchors() + _gqa() + _pages() + _chunks())
     raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
