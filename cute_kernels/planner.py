@@ -840,9 +840,22 @@ _PREFILL_FLOP_PER_S = 6.0e14
 M128_MAX_DECODE_FRACTION = 0.07
 
 
+#: ``choose_tile_m(allow_192=True)``: a step that would run 128-row tiles runs 192-row ones
+#: (three consumer warpgroups, ``IonAttentionSm90(consumers=3)``) when its prefill rows make
+#: at least this many 192-row tiles (one q head each) per CTA of the persistent grid.  Fewer,
+#: larger items balance worse, and unpacked items are never split.  From the H200 run of
+#: 2026-12-02 (fused layer, 28/4 heads, 132 CTAs; bench/notes.md v17): 8192 fresh tokens
+#: (9.1 tiles a CTA) 879 -> 825 us, 4096 over 4096 cached (4.7) 654 -> 629 us, but 2048
+#: over 6144 cached (2.3) 408 -> 413 us.
+M192_MIN_TILES_PER_CTA = 4.0
+
+
 def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: int,
-                  head_dim: int, elem_bytes: int = 2) -> int:
+                  head_dim: int, elem_bytes: int = 2, allow_192: bool = False,
+                  num_ctas: int = 132) -> int:
     """128 or 64: the q-tile rows for one step (pure; from the host copies the planner uses).
+    With ``allow_192``, 192 instead of 128 when the prefill rows make at least
+    ``M192_MIN_TILES_PER_CTA * num_ctas`` tiles of one q head x 192 tokens.
 
     Decode-like rows (< PREFILL_ROW_TOKENS new tokens) stream their K/V: ``seq_len *
     num_kv_heads * head_dim * 2 * elem_bytes`` bytes.  Prefill rows cost ``4 * num_q_heads
@@ -865,4 +878,10 @@ def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: 
     t_pre = 4.0 * num_q_heads * head_dim * pairs / _PREFILL_FLOP_PER_S
     dec = (~pre) & (q > 0)
     t_dec = float(np.sum(sl[dec])) * num_kv_heads * head_dim * 2 * elem_bytes / _DECODE_BYTES_PER_S
-    return 128 if t_dec <= M128_MAX_DECODE_FRACTION * t_pre else 64
+    if t_dec > M128_MAX_DECODE_FRACTION * t_pre:
+        return 64
+    if allow_192:
+        tiles = float(np.sum((qp + 191) // 192)) * num_q_heads
+        if tiles >= M192_MIN_TILES_PER_CTA * num_ctas:
+            return 192
+    return 128

@@ -66,10 +66,13 @@ FUSED_KV_ENV = "ION_FUSED_KV_WRITEBACK"
 #: since the H200 run of 2026-11-29 (500/500 sweep cases; prefill 8192 at 28/4 heads 983 ->
 #: 880 us, mixed 152 -> 149 us, decode unchanged); 0 restores packed-only tiles.
 UNPACKED_PREFILL_ENV = "ION_UNPACKED_PREFILL"
-#: ``ION_PREFILL_TILE_M`` = ``auto`` (default) or ``64``.  ``auto``: a step whose work is
-#: prefill MMAs with little decode streaming (``cute_kernels.planner.choose_tile_m``) runs
-#: 128-row q tiles on two consumer warpgroups (prefill 8192: 880 -> 814 us); every other
-#: step, and every uniform-decode step that CUDA graphs capture, runs 64-row tiles.  Only
+#: ``ION_PREFILL_TILE_M`` = ``auto`` (default), ``128`` or ``64``.  ``auto``: a step whose work
+#: is prefill MMAs with little decode streaming (``cute_kernels.planner.choose_tile_m``) runs
+#: 128-row q tiles on two consumer warpgroups (prefill 8192: 880 -> 814 us), or 192-row tiles
+#: on three when its prefill rows make enough of them to balance (``M192_MIN_TILES_PER_CTA``;
+#: since 2026-12-02, the fused layer on prefill 8192 879 -> 825 us, FA3 853); ``128``: 64 or
+#: 128 only (the ``auto`` before that); every other step, and every uniform-decode step that
+#: CUDA graphs capture, runs 64-row tiles.  Only
 #: with unpacked prefill tiles, and not under batch invariance or a FULL CUDA-graph mode
 #: for mixed batches (where the captured variant could differ at replay).  Fused KV
 #: writeback keeps it (its 128-row kernels write the fresh K/V too; since 2026-12-01).
@@ -226,12 +229,19 @@ def lane_combine() -> bool:
     return _switch(LANE_COMBINE_ENV, "split-parallel split-KV combine", default="1")
 
 
+def prefill_tile_m_setting() -> str:
+    """``ION_PREFILL_TILE_M``: ``auto`` (the default: 64, 128 or 192 rows per step), ``128``
+    (64 or 128 per step) or ``64``."""
+    v = os.environ.get(PREFILL_TILE_M_ENV, "auto").strip().lower() or "auto"
+    if v not in ("auto", "128", "64"):
+        raise ValueError(f"{PREFILL_TILE_M_ENV}={v!r}: use auto (64, 128 or 192 rows per "
+                         "step), 128 (64 or 128) or 64")
+    return v
+
+
 def prefill_tile_m_auto() -> bool:
-    """True for ``ION_PREFILL_TILE_M=auto`` (the default), False for ``64``."""
-    v = os.environ.get(PREFILL_TILE_M_ENV, "auto").strip().lower()
-    if v not in ("auto", "64", ""):
-        raise ValueError(f"{PREFILL_TILE_M_ENV}={v!r}: use auto (64 or 128 per step) or 64")
-    return v in ("auto", "")
+    """True unless ``ION_PREFILL_TILE_M=64``: steps may run more than 64-row q tiles."""
+    return prefill_tile_m_setting() != "64"
 
 
 def mixed_batches_run_full_graphs(vllm_config) -> bool:
@@ -302,8 +312,13 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.tile_m_auto = (prefill_tile_m_auto() and self.unpacked
                             and not batch_invariant_mode()
                             and not mixed_batches_run_full_graphs(vllm_config))
-        logger.info_once("ION: q tiles of %s rows", "64 or 128 (per step)" if self.tile_m_auto
-                         else "64")
+        #: 192-row q tiles (three consumer warpgroups) for prefill steps with enough tiles
+        #: (planner.choose_tile_m(allow_192=True)); not with page pairs (a 128-row option)
+        self.tile_m_192 = (self.tile_m_auto and prefill_tile_m_setting() == "auto"
+                           and not kv_pair())
+        logger.info_once("ION: q tiles of %s rows",
+                         ("64, 128 or 192 (per step)" if self.tile_m_192 else
+                          "64 or 128 (per step)") if self.tile_m_auto else "64")
         #: row-parallel split-KV combine kernel (default; 0: the group combine)
         self.row_combine = row_combine()
         if not self.row_combine:
@@ -382,6 +397,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.num_ctas128 = sms * ctas_per_sm_for(2, self.page_size)
         if self.tile_m_auto:
             self.plan128 = self._device_plan(2 * Q_TILE_ROWS, self.num_ctas128)
+        #: tile_m=192 plans: their own buffers too (one CTA per SM, as for 128)
+        self.plan192 = None
+        if self.tile_m_192:
+            self.plan192 = self._device_plan(3 * Q_TILE_ROWS, self.num_ctas128)
         if self.device.type == "cuda":
             # compile + load every kernel now: vLLM's profiling run has no attention metadata,
             # so the first real launch could otherwise land inside CUDA-graph capture
@@ -389,7 +408,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
             precompile(kv_cache_spec.dtype, self.head_size, self.num_q_heads,
                        self.num_kv_heads, self.page_size, fused=self.fresh_kv,
-                       unpacked=self.unpacked, consumers=(1, 2) if self.tile_m_auto else 1,
+                       unpacked=self.unpacked, consumers=self.consumer_kinds(),
                        row_combine=self.row_combine,
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
@@ -451,20 +470,26 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS,
             pin_pv_wait=self.pin_pv_wait)
 
+    def consumer_kinds(self) -> tuple[int, ...]:
+        """Consumer warpgroup counts of the attention kernels this builder's plans run."""
+        return (1,) + ((2,) if self.tile_m_auto else ()) + ((3,) if self.tile_m_192 else ())
+
     # ------------------------------------------------------------------ planning
     def step_tile_m(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> int:
-        """q-tile rows for this step: 64, or 128 when ``tile_m_auto`` and the step is
-        prefill-dominated (``cute_kernels.planner.choose_tile_m``)."""
+        """q-tile rows for this step: 64, or 128 (192 with ``tile_m_192`` when the prefill
+        rows make enough tiles) when ``tile_m_auto`` and the step is prefill-dominated
+        (``cute_kernels.planner.choose_tile_m``)."""
         if not self.tile_m_auto:
             return Q_TILE_ROWS
         return _planner().choose_tile_m(
             query_start_loc, seq_lens, num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_size)
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+            allow_192=self.tile_m_192, num_ctas=self.num_ctas128)
 
     def run_planner(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
                     tile_m: int = Q_TILE_ROWS) -> Any:
         """Host plan for one step (``cute_kernels.planner.plan``, docs/contract.md)."""
-        m128 = tile_m == 2 * Q_TILE_ROWS
+        m128 = tile_m in (2 * Q_TILE_ROWS, 3 * Q_TILE_ROWS)  # one CTA per SM
         return _planner().plan(
             query_start_loc, seq_lens,
             num_kv_heads=self.num_kv_heads, group_size=self.group_size,
@@ -492,7 +517,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
     def upload_plan(self, host_plan: Any):
         """Copy ``host_plan`` into the persistent device buffers of its tile size (in place)."""
-        if getattr(host_plan, "tile_m", Q_TILE_ROWS) == 2 * Q_TILE_ROWS:
+        tile_m = getattr(host_plan, "tile_m", Q_TILE_ROWS)
+        if tile_m == 3 * Q_TILE_ROWS:
+            return self.plan192.upload(host_plan)
+        if tile_m == 2 * Q_TILE_ROWS:
             return self.plan128.upload(host_plan)
         return self.plan.upload(host_plan)
 

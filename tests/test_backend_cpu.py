@@ -577,9 +577,46 @@ def test_prefill_tile_m_per_step(cpu_platform, tmp_path, monkeypatch):
     fixed = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
     assert not fixed.tile_m_auto and fixed.plan128 is None
     assert fixed.build(0, common_metadata([2048], [2048], bt[:1])).plan.tile_m == 64
-    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "128")
+    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "96")
     with pytest.raises(ValueError, match="ION_PREFILL_TILE_M"):
         backend_mod.prefill_tile_m_auto()
+
+
+def test_prefill_tile_m_192_per_step(cpu_platform, tmp_path, monkeypatch):
+    """ION_PREFILL_TILE_M=auto: a prefill step with enough 192-row tiles to balance
+    (planner.M192_MIN_TILES_PER_CTA a CTA) is planned with 192-row tiles into a third
+    DevicePlan (one CTA per SM); a 2048-token prefill, with too few, keeps 128-row tiles;
+    ION_PREFILL_TILE_M=128 never plans 192, and page pairs (a 128-row option) turn 192 off."""
+    import ion_vllm.backend as backend_mod
+    from cute_kernels import planner
+
+    monkeypatch.delenv(backend_mod.UNPACKED_PREFILL_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.PREFILL_TILE_M_ENV, raising=False)
+    monkeypatch.delenv(backend_mod.KV_PAIR_ENV, raising=False)
+    cfg = _gqa7_config(tmp_path, "--max-num-batched-tokens", "8192", "--max-num-seqs", "8")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.tile_m_192 and b.plan192 is not None and b.consumer_kinds() == (1, 2, 3)
+    assert b.plan192.tile_m == 192 and b.plan192.consumers == 3
+    assert b.plan192.num_ctas == b.plan128.num_ctas
+    bt = torch.arange(4 * 160, dtype=torch.int32).reshape(4, 160)
+    md = b.build(0, common_metadata([8192], [8192], bt[:1]))
+    assert md.plan is b.plan192 and md.plan.host.tile_m == 192
+    assert md.plan.host.num_ctas == b.num_ctas128
+    coverage_from_work(md.plan.work[: md.plan.num_items], [8192], [8192],
+                       group_size=7, tile_m=192)
+    tiles = -(-8192 // 192) * 28
+    assert tiles >= planner.M192_MIN_TILES_PER_CTA * b.num_ctas128
+    assert b.build(0, common_metadata([2048], [2048], bt[:1])).plan is b.plan128
+    assert b.build(0, common_metadata([1, 1], [700, 9], bt[:2])).plan is b.plan
+
+    monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "128")
+    only128 = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert only128.tile_m_auto and not only128.tile_m_192 and only128.plan192 is None
+    assert only128.build(0, common_metadata([8192], [8192], bt[:1])).plan.tile_m == 128
+    monkeypatch.delenv(backend_mod.PREFILL_TILE_M_ENV)
+    monkeypatch.setenv(backend_mod.KV_PAIR_ENV, "1")
+    pairs = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert pairs.kv_pair and not pairs.tile_m_192 and pairs.plan192 is None
 
 
 def test_prefill_tile_m_stays_64_when_mixed_batches_run_full_graphs(cpu_platform, tmp_path,

@@ -693,6 +693,16 @@ def test_choose_tile_m_follows_the_measured_anchors():
     spec = PREFILL_ROW_TOKENS - 1  # uniform spec-decode rows never count as prefill
     assert choose_tile_m(_qsl([spec] * 8), [30000] * 8, **kw) == 64
     assert choose_tile_m(_qsl([]), [], **kw) == 64
+    # allow_192: 192 where the prefill rows make >= M192_MIN_TILES_PER_CTA tiles a CTA
+    from cute_kernels.planner import M192_MIN_TILES_PER_CTA
+    k3 = dict(kw, allow_192=True, num_ctas=132)
+    assert choose_tile_m(_qsl([8192]), [8192], **k3) == 192          # 43 x 28 = 1204 tiles
+    assert choose_tile_m(_qsl([4096]), [8192], **k3) == 192          # 22 x 28 = 616
+    assert choose_tile_m(_qsl([2048]), [8192], **k3) == 128          # 11 x 28 = 308
+    assert choose_tile_m(_qsl([1] * 32 + [2048]), [8192] * 32 + [2048], **k3) == 64
+    assert M192_MIN_TILES_PER_CTA > 1
+    assert choose_tile_m(_qsl([4096]), [8192], **dict(k3, num_ctas=616)) == 128  # 1 a CTA
+    assert choose_tile_m(_qsl([8192]), [8192], **kw) == 128           # off by default
     # a few short decodes next to a long chunk: still prefill-dominated
     assert choose_tile_m(_qsl([1, 1, 8192]), [600, 900, 16384], **kw) == 128
     # rows with no new tokens cost nothing
