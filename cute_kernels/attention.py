@@ -399,6 +399,7 @@ class _PinnedStage:
         self.partial_offsets = torch.full((item_capacity,), -1, dtype=torch.int32, pin_memory=pin)
         self.combine = torch.zeros((group_capacity, 6), dtype=torch.int32, pin_memory=pin)
         self.num_items = 0
+        self.num_groups = 0
         self.event = torch.cuda.Event() if pin else None
         self.recorded = False
 
@@ -513,8 +514,10 @@ class DevicePlan:
         grows = max(g, self.num_groups)
         pack_plan(host_plan, stage.work.numpy(), stage.cta_offsets.numpy(),
                   stage.partial_offsets.numpy(), stage.combine.numpy(),
-                  prev_n_items=max(rows, stage.num_items))
+                  prev_n_items=max(rows, stage.num_items),
+                  prev_n_groups=max(grows, stage.num_groups))
         stage.num_items = n
+        stage.num_groups = g
         if rows:
             self.work[:rows].copy_(stage.work[:rows], non_blocking=True)
             self.partial_offsets[:rows].copy_(stage.partial_offsets[:rows], non_blocking=True)
@@ -540,7 +543,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      row_combine: bool = False, lazy_rescale: bool = False,
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
-                     pin_pv_wait=None, refine_balance: bool = True) -> DevicePlan:
+                     pin_pv_wait=None, refine_balance: bool = True,
+                     split_unpacked: bool = True) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -566,7 +570,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``pin_pv_wait=True`` / ``False``: the kernels with / without the pinned PV wait
     (``None``: ``PIN_PV_WAIT_DEFAULT``).
     ``refine_balance=False``: the planner without its final local search (``planner.plan``
-    ``refine``), for A/B runs."""
+    ``refine``), for A/B runs.
+    ``split_unpacked=False``: unpacked items never split (planner ``split_unpacked``; the
+    planner before v18), for A/B runs."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -581,7 +587,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      num_ctas=num_ctas, allow_split=allow_split, max_splits=max_splits,
                      fresh_kv=fresh_kv, unpacked_prefill=unpacked_prefill,
                      tile_m=consumers_for_tile_m(tile_m) * 64, cost_model=cost_model,
-                     refine=refine_balance)
+                     refine=refine_balance, split_unpacked=split_unpacked)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, unpacked=unpacked_prefill,

@@ -55,8 +55,10 @@ padding).  The producer loads its Q tile with a second TMA atom, box (1 head, 64
 of the same (head, token, d) view, into the same smem Q stage (row r = token r); the
 consumer maps row -> token with a runtime shift (``row >> log2(Gp)`` packed, ``row``
 unpacked) for the causal mask and the output store (row r -> token q_start + r, head
-h*G + g; rows past the tile's token count are not stored).  Unpacked items are never split
-(the partial store keeps the packed row layout).  With ``fresh_kv`` too, of the G unpacked
+h*G + g; rows past the tile's token count are not stored).  A split unpacked item (v18)
+writes its partial rows in the packed layout of its group: token t at ``poff + t * Gp``
+(``poff`` holds its q head; ``planner.partial_row``), so the combine pass is the packed
+one.  With ``fresh_kv`` too, of the G unpacked
 items holding a fresh tile's owner token only g == 0 stores it (``planner.fresh_tile_owned``).
 
 Two consumer warpgroups (``consumers=2``; with 1 the generated code is the kernel above):
@@ -65,7 +67,8 @@ as above but loads a Q stage as two 64-row boxes (buffers ``2*stage`` and ``2*st
 warpgroup ``w`` = 1, 2 consumes buffer ``2*stage + w - 1`` and the SAME K/V stages: every
 empty barrier counts the 4 warps of both consumers (8 arrivals).  Consumer ``w`` sees its
 half as a 64-row tile whose first token is ``(64*(w-1)) >> shift`` tokens into the item
-(mask, output rows, partial rows ``+ 64*(w-1)``), so the helpers are unchanged.
+(mask, output rows, partial rows ``+ 64*(w-1)``; an unpacked item's ``+ 64*(w-1)*Gp``), so
+the helpers are unchanged.
 
 Page pairs (``kv_pair=True``, consumers=2 only; with False the generated code is the kernel
 above): a K/V stage holds two consecutive pages of an item, loaded as two TMA boxes into
@@ -981,10 +984,26 @@ class IonAttentionSm90:
                                         mQSL[b] + q_start, h * group_size)
                 else:
                     poff_w = poff
-                    if cutlass.const_expr(self.consumers >= 2):
-                        poff_w = poff + poff_rows
-                    self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial,
-                                        row0, q_cnt, group_size, poff_w, scale_log2)
+                    if cutlass.const_expr(self.unpacked):
+                        # packed items: poff_w + row as in the default kernel; unpacked
+                        # items: chunked rows (planner.partial_row) from poff = base + q
+                        # head, the item's split index, split count and token count; this
+                        # warpgroup's first token is tok_u tokens into the item
+                        tok_u = 0
+                        if cutlass.const_expr(self.consumers >= 2):
+                            poff_w = poff + poff_rows
+                            tok_u = tok_off
+                        self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial,
+                                            mLsePartial, row0, q_cnt, group_size, poff_w,
+                                            scale_log2, shift, gmask, qh, poff, tok_u,
+                                            mWork[it, W_SPLIT], mWork[it, W_NSPLIT],
+                                            mWork[it, W_QLEN])
+                    else:
+                        if cutlass.const_expr(self.consumers >= 2):
+                            poff_w = poff + poff_rows
+                        self._store_partial(acc_o, tOcO, row_max, row_sum, mOPartial,
+                                            mLsePartial, row0, q_cnt, group_size, poff_w,
+                                            scale_log2)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -1322,16 +1341,36 @@ class IonAttentionSm90:
 
     @cute.jit
     def _store_partial(self, acc_o, tOcO, row_max, row_sum, mOPartial, mLsePartial, row0, q_cnt,
-                       group_size, poff, scale_log2):
+                       group_size, poff, scale_log2, shift=None, gmask=None, q_head=None,
+                       poff_item=None, tok_u=None, split_idx=None, n_split=None,
+                       ntok_item=None):
         """Split-KV partial: O / l (fp32) and lse2 = m * scale_log2 + log2(l) per packed row
-        ``poff + t * Gp + g`` (layout shared with the planner and combine.py)."""
+        ``poff + t * Gp + g`` (layout shared with the planner and combine.py).
+        unpacked_prefill variant (``shift``/``gmask`` and the rest given): row -> (token
+        ``row >> shift``, slot ``row & gmask``) as in ``_store_out``; a packed item writes
+        the packed row as above, an unpacked item (``q_head >= 0``, one q head) token ``t``
+        of the item (``tok_u + row``) in chunk ``k = t // c`` (``c = 64 // Gp`` tokens,
+        ``n_k = min(c, ntok_item - k * c)``) to ``poff_item + k * n_split * 64 +
+        split_idx * n_k * Gp + (t % c) * Gp`` (``planner.partial_row``)."""
+        log2_c = 6 - self.log2_gp
         for slot in cutlass.range_constexpr(2):
             row = row0 + slot * 8
             t_local = row // self.group_pad
             g = row % self.group_pad
+            if cutlass.const_expr(shift is not None):
+                t_local = row >> shift
+                g = row & gmask
             if t_local < q_cnt:
                 if g < group_size:
                     prow = poff + row
+                    if cutlass.const_expr(shift is not None):
+                        if q_head >= 0:
+                            t_item = t_local + tok_u
+                            k = t_item >> log2_c
+                            n_k = cutlass.min(ntok_item - (k << log2_c), 1 << log2_c)
+                            prow = (poff_item + k * (n_split << 6)
+                                    + ((split_idx * n_k + (t_item & ((1 << log2_c) - 1)))
+                                       << self.log2_gp))
                     inv = cutlass.Float32(0.0)
                     lse2 = -cutlass.Float32.inf
                     if row_sum[slot] > 0.0:

@@ -27,8 +27,18 @@ Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col 8 = ``W_Q
     head) rates the G unpacked tilings cheaper than the packed one (e.g. G = 7: q = 64 ->
     7 tiles instead of 8; q = 65 -> 14 instead of 9, stays packed).  Decode rows and every
     request with ``G == Gp`` stay packed, so one launch still serves mixed batches.
-  * Unpacked items are never split-KV (split search, partial rows and combine groups are
-    for packed items only); causal pruning is per tile as for packed tiles.
+  * Unpacked items split KV like packed ones (v18).  The G unpacked tiles of one (request,
+    KV head, token range of ``ntok`` tokens) have the same pages and so the same split
+    count ``S``; together they own ``S * ntok * Gp`` workspace rows from ``base``, cut into
+    *chunks* of ``c = 64 // Gp`` tokens (a 64-row packed tile's tokens), each one combine
+    group of the packed layout above: chunk ``k`` (``n_k = min(c, ntok - k * c)``
+    tokens) is group ``(b, h, tok0 + k * c, n_k, S, base + k * S * 64)``, so split ``s`` of
+    q head ``g`` writes token ``t`` (``k = t // c``) to row
+    ``base + k * S * 64 + s * n_k * Gp + (t % c) * Gp + g`` (``partial_row``).  Its
+    ``partial_offsets`` entry is ``base + g``; the kernel adds the rest from the item's
+    split index, split count and token count.  The combine pass is unchanged, and a
+    prefill tile of 128 or 192 tokens gives it 16 or 24 groups of 64 rows to spread over
+    the grid instead of one long one.  Causal pruning is per tile as for packed tiles.
 """
 from __future__ import annotations
 
@@ -47,11 +57,13 @@ __all__ = [
     "W_QHEAD",
     "unpacked_requests",
     "kv_units",
+    "partial_row",
     "fresh_tile_owned",
     "fresh_writeback_items",
     "plan",
     "pack_plan",
     "worst_case_items",
+    "worst_case_groups",
 ]
 
 WORK_COLS = 9
@@ -63,6 +75,9 @@ COMBINE_COLS = 6  # b, h, tok0, ntok, num_splits, partial row base
 
 # Only a few of the best split candidates (ranked by a lower bound) are scheduled for real.
 _MAX_SPLIT_EVALS = 3
+# caps that split only the longest tiles in two: quantiles of the tiles over half the
+# longest (see the split search in ``plan``)
+_PARTIAL_SPLIT_CAPS = 9
 # Exact-LPT rounds before the remaining items are water-filled (keeps plan() O(fast)).
 _MAX_LPT_ROUNDS = 64
 _MAX_FILL_CLASSES = 24
@@ -81,6 +96,27 @@ def next_pow2(x: int) -> int:
     if x < 1:
         raise ValueError(f"next_pow2 needs x >= 1, got {x}")
     return 1 << (x - 1).bit_length()
+
+
+def partial_row(partial_offset, token, group_pad: int, q_head=-1, slot=0, split=0,
+                n_split=1, ntok=1):
+    """Workspace row of a split item's output row (the kernel's ``_store_partial``).  A
+    packed item (``q_head < 0``) writes MMA row ``token * Gp + slot`` (slot = q head in the
+    group) at ``partial_offset + token * Gp + slot``.  An unpacked item (``q_head >= 0``:
+    one q head, one MMA row per token of its ``ntok``; ``partial_offset`` = group base +
+    q head) writes token ``t`` of split ``split`` of ``n_split`` in chunk ``k = t // c``
+    (``c = 64 // Gp``) at ``partial_offset + k * n_split * 64 + split * n_k * Gp +
+    (t % c) * Gp``, ``n_k = min(c, ntok - k * c)`` (module docstring).  Vectorized."""
+    gp = int(group_pad)
+    c = 64 // gp
+    t = np.asarray(token, dtype=np.int64)
+    poff = np.asarray(partial_offset, dtype=np.int64)
+    packed = poff + t * gp + np.asarray(slot, dtype=np.int64)
+    k = t // c
+    n_k = np.minimum(c, np.asarray(ntok, dtype=np.int64) - k * c)
+    unpacked = (poff + k * np.asarray(n_split, dtype=np.int64) * 64
+                + np.asarray(split, dtype=np.int64) * n_k * gp + (t % c) * gp)
+    return np.where(np.asarray(q_head) >= 0, unpacked, packed)
 
 
 def kv_units(ctx, last_new_token, page_size: int = 64):
@@ -480,6 +516,7 @@ def plan(
     fresh_kv: bool = False,
     unpacked_prefill: bool = False,
     refine: bool = True,
+    split_unpacked: bool = True,
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
@@ -491,6 +528,8 @@ def plan(
     the plan must then run on the ``unpacked_prefill`` kernel variant.
     ``refine=False`` keeps the water-filled assignment of ``_balance`` without the local
     search of ``_refine`` (the planner before 2026-12-02; for A/B runs).
+    ``split_unpacked=False`` never splits unpacked items (the planner before 2026-12-03,
+    v18; for A/B runs).
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -578,14 +617,35 @@ def plan(
     # ---- split-KV search ----------------------------------------------------------------
     # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
     # must beat the no-split makespan by split_min_gain: prune when that is impossible.
-    s_cap = np.where(tile_unp, 1, np.minimum(max_splits, n_pages))  # unpacked: never split
+    s_cap = np.minimum(max_splits, n_pages)
+    if gp > 64 or not split_unpacked:  # unpacked workspace chunks hold 64 // Gp tokens
+        s_cap = np.where(tile_unp, 1, s_cap)
+    # partial workspace rows a tile's split group takes per split: ntok * Gp rows (packed
+    # rows are t * Gp + g); the G unpacked tiles of one token range share one group, which
+    # its q head 0 tile counts
+    grp_rows1 = np.where(qhead <= 0, ntok * gp, 0)
     target = best_total * (1.0 - cm.split_min_gain)
     if allow_split and max_splits > 1 and int(s_cap.max()) > 1 and mean0 + cm.combine_launch_us < target:
         # Candidate caps on pages per chunk: a tile with n pages gets min(ceil(n / cap),
         # max_splits, n) splits; caps are those that split the longest tile 2..max_splits ways.
         nmax = int(n_pages.max())
         s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
-        caps = np.unique((nmax + s_try - 1) // s_try)[::-1]
+        caps = np.unique((nmax + s_try - 1) // s_try)
+        # partial splits: caps between nmax / 2 and nmax split only the tiles longer than
+        # the cap, in two.  When every tile is about as long (a prefill chunk over a long
+        # context: 3.4 unsplittable tiles a CTA at 128 rows) splitting all of them doubles
+        # the partial traffic, while halving the longest fifth already evens out the CTAs.
+        upper = n_pages[n_pages > -(-nmax // 2)]
+        if upper.size:
+            qs = np.quantile(upper, np.linspace(0.1, 0.9, _PARTIAL_SPLIT_CAPS),
+                             method="lower").astype(np.int64)
+            caps = np.concatenate([caps, np.setdiff1d(qs[qs < nmax], caps)])
+        # the first n_even caps split every long tile evenly, the rest are partial splits;
+        # each family gets its own _MAX_SPLIT_EVALS real evaluations
+        n_even = int(np.unique((nmax + s_try - 1) // s_try).shape[0])
+        family = (np.arange(caps.shape[0]) >= n_even).astype(np.int64)
+        order = np.argsort(-caps, kind="stable")
+        caps, family = caps[order], family[order]
         # Tiles with identical (pages, rows) behave identically: evaluate unique ones.
         key = (n_pages * (tile_m + 1) + rows) * 2 + tile_unp
         _, uidx, ucnt = np.unique(key, return_index=True, return_counts=True)
@@ -597,7 +657,9 @@ def plan(
         max_item = np.where(sp, uf_sp + (-(-un // S)) * upu, ucost0).max(axis=1)
         min_item = np.where(sp, uf_sp + (un // S) * upu, ucost0).min(axis=1)
         count = (S * ucnt).sum(axis=1)
-        part_rows = (np.where(sp, S, 0) * urows * ucnt).sum(axis=1)
+        # exact workspace rows of each cap (the unique tiles above merge q heads)
+        s_full = np.maximum(np.minimum(-(-n_pages[None, :] // caps[:, None]), s_cap[None, :]), 1)
+        part_rows = (np.where(s_full > 1, s_full, 0) * grp_rows1[None, :]).sum(axis=1)
         comb_bytes = (
             np.where(sp, S * urows * (cm.head_dim + 1) * cm.partial_bytes + urows * cm.head_dim * cm.q_bytes, 0)
             * ucnt
@@ -607,13 +669,13 @@ def plan(
         ok = sp.any(axis=1)
         if max_partial_rows is not None:
             ok &= part_rows <= int(max_partial_rows)
-        evals = 0
+        evals = [0, 0]
         for ci in np.argsort(lb, kind="stable"):
-            if evals >= _MAX_SPLIT_EVALS or lb[ci] >= min(target, best_total):
+            if min(evals) >= _MAX_SPLIT_EVALS or lb[ci] >= min(target, best_total):
                 break
-            if not ok[ci]:
+            if not ok[ci] or evals[family[ci]] >= _MAX_SPLIT_EVALS:
                 continue
-            evals += 1
+            evals[family[ci]] += 1
             s_c = np.maximum(np.minimum(-(-n_pages // caps[ci]), s_cap), 1)
             tile, _, p0, p1 = _expand_splits(n_pages, s_c)
             split_c = s_c[tile] > 1
@@ -662,8 +724,11 @@ def plan(
     work[:, 3] = ntok[tile]
     work[:, W_QHEAD] = qhead[tile]
 
-    g_idx = np.flatnonzero(splits > 1)
-    grp_rows = splits[g_idx] * rows[g_idx]
+    # workspace: one block per split packed tile, one per split (b, h, token range) of
+    # unpacked tiles (led by its q head 0 tile, whose index is this tile's minus
+    # q head * tiles per slot: tiles run (b, h, q head slot, q tile))
+    g_idx = np.flatnonzero((splits > 1) & (qhead <= 0))
+    grp_rows = splits[g_idx] * grp_rows1[g_idx]
     grp_base = np.cumsum(grp_rows) - grp_rows
     partial_rows = int(grp_rows.sum())
     if partial_rows > np.iinfo(np.int32).max:
@@ -671,17 +736,35 @@ def plan(
     if split_any:
         base_of_tile = np.full(n_tiles, -1, dtype=np.int64)
         base_of_tile[g_idx] = grp_base
-        poff = np.where(splits[tile] > 1, base_of_tile[tile] + sidx * rows[tile], -1).astype(np.int32)
+        qh_t = np.maximum(qhead[tile], 0)
+        lead = tile - qh_t * ntr[tile]
+        # packed: the split's first row; unpacked: block base + q head (chunked rows)
+        first = np.where(qhead[tile] >= 0, base_of_tile[lead] + qh_t,
+                         base_of_tile[lead] + sidx * ntok[tile] * gp)
+        poff = np.where(splits[tile] > 1, first, -1).astype(np.int32)
     else:
         poff = np.full(n_items, -1, dtype=np.int32)
+    # combine groups: the packed block as it is; an unpacked block as its chunks of c
+    # tokens, chunk k at base + k * S * 64 (64 = c * Gp rows a split)
+    c_tok = 64 // gp
+    n_chunk = np.where(qhead[g_idx] >= 0, -(-ntok[g_idx] // c_tok), 1)
+    gi = np.repeat(np.arange(g_idx.shape[0], dtype=np.int64), n_chunk)
+    kk = np.arange(gi.shape[0], dtype=np.int64) - np.repeat(np.cumsum(n_chunk) - n_chunk, n_chunk)
+    t_g = g_idx[gi]
+    chunked = qhead[t_g] >= 0
     combine = np.stack(
-        [req[g_idx], head[g_idx], tok0[g_idx], ntok[g_idx], splits[g_idx], grp_base], axis=1
+        [req[t_g], head[t_g],
+         tok0[t_g] + np.where(chunked, kk * c_tok, 0),
+         np.where(chunked, np.minimum(c_tok, ntok[t_g] - kk * c_tok), ntok[t_g]),
+         splits[t_g],
+         grp_base[gi] + np.where(chunked, kk * splits[t_g] * 64, 0)], axis=1
     ).reshape(-1, COMBINE_COLS).astype(np.int32)
 
     offsets = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(np.bincount(cta, minlength=num_ctas), out=offsets[1:])
     cta_cost = np.bincount(cta, weights=item_cost, minlength=num_ctas).astype(np.float64)
-    comb_us = cm.combine_us(splits[g_idx], rows[g_idx], num_ctas)
+    g_all = np.flatnonzero(splits > 1)
+    comb_us = cm.combine_us(splits[g_all], rows[g_all], num_ctas)
     return Plan(
         work=work,
         cta_offsets=offsets,
@@ -724,6 +807,7 @@ def pack_plan(
     combine_buf=None,
     *,
     prev_n_items: int | None = None,
+    prev_n_groups: int | None = None,
 ) -> int:
     """Copy ``plan`` into preallocated int32 buffers in place; returns n_items.
 
@@ -735,7 +819,10 @@ def pack_plan(
     * ``offsets_buf``: ``[>= num_ctas + 1]``; entries past ``num_ctas`` get ``n_items``
       (extra CTAs see empty ranges).
     * ``partial_offsets_buf`` (optional): ``[cap]``; padding ``-1``.
-    * ``combine_buf`` (optional): ``[cap_groups, 6]``; padding rows zero (0 splits).
+    * ``combine_buf`` (optional): ``[cap_groups, 6]``; padding rows zero (0 splits).  With
+      ``prev_n_items``, rows up to ``max(prev_n_groups, prev_n_items)`` are cleared: give
+      ``prev_n_groups`` when an earlier plan may have had more split groups than items
+      (an unpacked split token range makes a group per 64 // Gp tokens).
     Torch CPU tensors (pinned or not) are written through a shared-memory numpy view.
     """
     n = plan.n_items
@@ -773,8 +860,11 @@ def pack_plan(
         if c2.ndim != 2 or c2.shape[1] != COMBINE_COLS or c2.shape[0] < g:
             raise ValueError("combine_buf must be [>= n_groups, 6]")
         c2[:g] = plan.combine
-        # n_groups <= n_items, so rows past prev_n_items are still zero as well
-        c2[g : (c2.shape[0] if prev_n_items is None else min(c2.shape[0], end))] = 0
+        # rows past the earlier plan's groups are still zero
+        gend = c2.shape[0]
+        if prev_n_items is not None:
+            gend = min(gend, max(end, g, 0 if prev_n_groups is None else int(prev_n_groups)))
+        c2[g:gend] = 0
     return n
 
 
@@ -799,9 +889,10 @@ def worst_case_items(
     tiles <= min(T, floor((T + R * (tpt - 1)) / tpt)).  Each (tile, head) becomes at most
     min(max_splits, ceil(max_model_len / page_size)) items (a split keeps >= 1 page).
     ``unpacked_prefill`` (G < Gp): an unpacked request (q >= tile_m new tokens, so at most
-    floor(T / tile_m) of them) has G * ceil(q / tile_m) unsplit items per KV head, i.e. at
-    most G * floor((T + R_u * (tile_m - 1)) / tile_m) in all, R_u = min(R, T // tile_m);
-    the bound adds that to the packed bound (each request is one kind or the other).
+    floor(T / tile_m) of them) has G * ceil(q / tile_m) tiles per KV head, i.e. at most
+    G * floor((T + R_u * (tile_m - 1)) / tile_m) in all, R_u = min(R, T // tile_m), each
+    split at most as often as a packed tile; the bound adds that to the packed bound (each
+    request is one kind or the other).
     """
     t = int(max_num_tokens)
     if t <= 0 or max_num_reqs <= 0 or max_model_len <= 0:
@@ -817,8 +908,22 @@ def worst_case_items(
     if unpacked_prefill and g < next_pow2(g):
         tm = int(tile_m)
         r_u = min(r, t // tm)
-        bound += g * int(num_kv_heads) * ((t + r_u * (tm - 1)) // tm)
+        bound += (g * int(num_kv_heads) * ((t + r_u * (tm - 1)) // tm)
+                  * max(1, min(int(max_splits), max_pages)))
     return bound
+
+
+def worst_case_groups(max_num_reqs: int, max_num_tokens: int, max_model_len: int,
+                      num_kv_heads: int, group_size: int, page_size: int = 64) -> int:
+    """Upper bound on ``plan(...).combine.shape[0]`` (split groups) over the same batches
+    as ``worst_case_items``, for every ``tile_m``, split count and option.  A packed split
+    tile is one group and holds at least the tokens of a 64-row tile (``64 // Gp``) unless
+    it is its row's last; an unpacked split token range is one group per ``64 // Gp``
+    tokens, shared by its G q heads.  Either way a (request, KV head) has at most as many
+    groups as it has 64-row packed tiles: ``worst_case_items(..., tile_m=64,
+    max_splits=1)``."""
+    return worst_case_items(max_num_reqs, max_num_tokens, max_model_len, num_kv_heads,
+                            group_size, page_size=page_size, tile_m=64, max_splits=1)
 
 
 # --------------------------------------------------------------------------- tile size per step

@@ -448,8 +448,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
     def _device_plan(self, tile_m: int, num_ctas: int):
         """Persistent device buffers for this builder's plans of ``tile_m`` q-tile rows,
-        sized at the planner's worst case; split groups are (request, head, q tile) tiles,
-        so the unsplit item count bounds them."""
+        sized at the planner's worst case (split groups: ``worst_case_groups``, which an
+        unpacked split token range of 128 or 192 tokens, one group per 64 // Gp tokens,
+        needs beyond the unsplit item count)."""
         from cute_kernels.attention import DevicePlan
 
         def bound(max_splits: int, **options) -> int:
@@ -461,7 +462,10 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         return DevicePlan(
             item_capacity=bound(self.max_splits if self.allow_split else 1,
                                 fresh_kv=self.fresh_kv, unpacked_prefill=self.unpacked),
-            group_capacity=bound(1) if self.allow_split else 1,
+            group_capacity=max(1, _planner().worst_case_groups(
+                self.max_num_reqs, self.max_num_tokens, self.max_seq_len_bound,
+                self.num_kv_heads, self.group_size,
+                page_size=self.page_size)) if self.allow_split else 1,
             partial_rows_capacity=self.partial_rows, num_ctas=num_ctas,
             head_dim=self.head_size, device=self.device, always_combine=self.allow_split,
             unpacked=self.unpacked, tile_m=tile_m, row_combine=self.row_combine,

@@ -257,7 +257,8 @@ def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
 
 def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     """`ion-auto` plans what the vLLM backend plans by default: unpacked prefill tiles and
-    planner.choose_tile_m's tile size (128 for a lone prefill, 64 once decodes dominate)."""
+    planner.choose_tile_m's tile size with 192-row tiles allowed, as the backend's
+    ION_PREFILL_TILE_M=auto (192 for a lone 8192 prefill, 64 once decodes dominate)."""
     from ion_vllm.bench.kernel_suite import Case
 
     seen = []
@@ -269,7 +270,7 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     for case in (prefill, mixed):
         kr.PREPARE["ion-auto"](case, 0, "cpu", {})
     auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
-    assert seen == [dict(auto, tile_m=128), dict(auto, tile_m=64)]
+    assert seen == [dict(auto, tile_m=192), dict(auto, tile_m=64)]
     # the combine ion-auto plans is the backend's default one (ION_LANE_COMBINE and
     # ION_ROW_COMBINE unset: the split-parallel combine)
     import ion_vllm.backend as backend_mod
@@ -285,7 +286,7 @@ def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
     # ion-auto-lr: the same plan options on the lazy-rescaling kernels
     seen.clear()
     kr.PREPARE["ion-auto-lr"](prefill, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=128, lazy_rescale=True)]
+    assert seen == [dict(auto, tile_m=192, lazy_rescale=True)]
     assert "ion-auto-lr" in kr.BACKENDS
     # ion-auto-pdl: the same plan options, combine by programmatic dependent launch
     seen.clear()
@@ -400,3 +401,14 @@ def test_append_and_fused_backends(monkeypatch):
     assert calls == [("attn", ["key", "plan", "value"])]
     assert plans[-1] == dict(kr.auto_plan_options(prefill), fresh_kv=True, refine_balance=False)
     assert "ion-auto-fused-wf" in kr.BACKENDS
+    # ion-auto-nsu / ion-auto-fused-nsu: the same plan options, unpacked items never split
+    for name, fused in (("ion-auto-nsu", False), ("ion-auto-fused-nsu", True)):
+        calls.clear()
+        kr.PREPARE[name](prefill, 0, "cpu", {}).call()
+        assert calls == [("attn", ["key", "plan", "value"] if fused
+                          else ["experimental_pages", "plan"])]
+        want = dict(kr.auto_plan_options(prefill), split_unpacked=False)
+        if fused:
+            want["fresh_kv"] = True
+        assert plans[-1] == want
+        assert name in kr.BACKENDS

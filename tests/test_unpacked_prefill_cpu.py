@@ -24,8 +24,11 @@ from cute_kernels.planner import (
     CostModel,
     fresh_writeback_items,
     next_pow2,
+    partial_row,
     plan,
+    pack_plan,
     unpacked_requests,
+    worst_case_groups,
     worst_case_items,
 )
 
@@ -59,12 +62,14 @@ def brute_need(q_lens, seq_lens, hq, fresh):
     return need
 
 
-def check_unpacked_plan(p, q_lens, seq_lens, *, hkv, g, fresh=False, max_splits=None):
+def check_unpacked_plan(p, q_lens, seq_lens, *, hkv, g, fresh=False, max_splits=None,
+                        tile_m=64):
     """Exact once-only coverage of (request, q head, token, page) by packed + unpacked
-    items; returns the set of requests that got unpacked items."""
+    items, and the split-KV workspace layout (``check_split_layout``); returns the set of
+    requests that got unpacked items."""
     assert p.work.shape[1] == WORK_COLS == 9 and p.unpacked
     gp = next_pow2(g)
-    tpt = 64 // gp
+    tpt = tile_m // gp
     hq = hkv * g
     q = np.asarray(q_lens)
     sl = np.asarray(seq_lens)
@@ -87,8 +92,8 @@ def check_unpacked_plan(p, q_lens, seq_lens, *, hkv, g, fresh=False, max_splits=
             heads = range(h * g, h * g + g)
         else:
             assert qh < g, f"item {i}: q head slot {qh} >= G"
-            assert 1 <= nt <= 64 and t0 % 64 == 0 and t0 + nt <= q[b], f"item {i}: tokens"
-            assert (s, ns) == (0, 1) and p.partial_offsets[i] == -1, f"item {i}: unpacked split"
+            assert 1 <= nt <= tile_m and t0 % tile_m == 0 and t0 + nt <= q[b], \
+                f"item {i}: tokens"
             heads = [h * g + qh]
         kind.setdefault(b, set()).add(qh >= 0)
         for u in range(u0, u1):
@@ -108,7 +113,82 @@ def check_unpacked_plan(p, q_lens, seq_lens, *, hkv, g, fresh=False, max_splits=
     assert set(seen) == expect
     for b, kinds in kind.items():
         assert len(kinds) == 1, f"request {b} mixes packed and unpacked items"
+    check_split_layout(p, g)
     return {b for b, kinds in kind.items() if True in kinds}
+
+
+def check_split_layout(p, g):
+    """Split groups and workspace rows, packed and unpacked (docs/contract.md): the items of
+    one (b, KV head, tok0) tile (unpacked: all G q heads) share S and contiguous page
+    ranges from page 0 split by split; each split item's rows (``partial_row``) are those
+    of the layout written out here (packed: ``base + s * ntok * Gp + t * Gp + slot``;
+    unpacked: chunks of ``c = 64 // Gp`` tokens, ``base + k * S * 64 + s * n_k * Gp +
+    (t % c) * Gp + g``), every workspace row is written by at most one item and lies below
+    ``partial_rows``, and ``combine`` lists exactly the groups: a packed tile, or one
+    chunk of an unpacked token range, whose rows are each group's packed rows."""
+    gp = next_pow2(g)
+    c = 64 // gp
+    groups = {}
+    for i, row in enumerate(p.work.tolist()):
+        b, h, t0, nt, u0, u1, s, ns, qh = row
+        groups.setdefault((b, h, t0), []).append((qh, s, ns, u0, u1, nt, int(p.partial_offsets[i])))
+    written = {}
+    expect = []
+    for (b, h, t0), items in sorted(groups.items()):
+        ns, nt = items[0][2], items[0][5]
+        assert all(it[2] == ns and it[5] == nt for it in items), f"group {(b, h, t0)}: mixed"
+        heads = sorted({it[0] for it in items})
+        assert heads == [-1] or heads == list(range(g)), f"group {(b, h, t0)}: q heads {heads}"
+        ranges = None
+        for qh in heads:
+            mine = sorted((it[1], it[3], it[4], it[6]) for it in items if it[0] == qh)
+            assert [m[0] for m in mine] == list(range(ns)), f"group {(b, h, t0)}: split indices"
+            assert mine[0][1] == 0 and all(mine[k][2] == mine[k + 1][1] for k in range(ns - 1)), \
+                f"group {(b, h, t0)}: split ranges not contiguous from page 0"
+            r = [(m[1], m[2]) for m in mine]
+            assert ranges is None or r == ranges, f"group {(b, h, t0)}: q heads split differently"
+            ranges = r
+        if ns == 1:
+            assert all(it[6] == -1 for it in items), f"group {(b, h, t0)}: unsplit with offset"
+            continue
+        unpacked = heads != [-1]
+        base = min(it[6] for it in items)
+        if unpacked:
+            chunks = [(k * c, min(c, nt - k * c)) for k in range(-(-nt // c))]
+            for k, (k0, n_k) in enumerate(chunks):
+                expect.append((b, h, t0 + k0, n_k, ns, base + k * ns * 64))
+        else:
+            expect.append((b, h, t0, nt, ns, base))
+        for qh, s, _, _, _, _, poff in items:
+            slots = range(g) if qh < 0 else [qh]
+            assert poff == (base + qh if unpacked else base + s * nt * gp), \
+                f"group {(b, h, t0)}: offset"
+            for t in range(nt):
+                for slot in slots:
+                    prow = int(partial_row(poff, t, gp, qh, slot, s, ns, nt))
+                    if unpacked:
+                        k, n_k = t // c, min(c, nt - (t // c) * c)
+                        want = base + k * ns * 64 + s * n_k * gp + (t % c) * gp + qh
+                    else:
+                        want = base + s * nt * gp + t * gp + slot
+                    assert prow == want
+                    assert 0 <= prow < p.partial_rows, "partial row out of the workspace"
+                    assert prow not in written, f"partial row {prow} written twice"
+                    written[prow] = (b, h, t0, s, t, slot)
+    got = sorted(map(tuple, p.combine.tolist()))
+    assert got == sorted(expect), "combine list"
+    # what the combine pass reads (group row base + s * ntok * Gp + t * Gp + slot, slot < G)
+    # is exactly what the items wrote, each row with the right (b, head, token, split)
+    for b, h, tok0, ntok, ns, base in got:
+        for s in range(ns):
+            for t in range(ntok):
+                for slot in range(g):
+                    key = written.get(base + s * ntok * gp + t * gp + slot)
+                    assert key is not None, f"combine group {(b, h, tok0)} reads an unwritten row"
+                    kb, kh, kt0, ks, kt, kslot = key
+                    assert (kb, kh, ks, kt0 + kt, kslot) == (b, h, s, tok0 + t, slot), \
+                        f"combine group {(b, h, tok0)} reads another row's partial"
+    assert p.partial_rows >= len(written)
 
 
 def random_batch(rng, n_max=6):
@@ -265,7 +345,10 @@ def test_unpacked_item_cost_counts_64_real_rows():
              cost_model=cm, unpacked_prefill=True)
     w = p.work
     assert (w[:, W_QHEAD] >= 0).all() and sorted(set(w[:, W_QHEAD].tolist())) == [0, 1, 2]
-    exp = cm.item_us(w[:, 5] - w[:, 4], w[:, 3], P, np.zeros(len(w), bool))
+    # 30 items on 132 CTAs: the long tiles split (since v18), and a split item's cost
+    # counts its fp32 partial store
+    assert (w[:, 7] > 1).any()
+    exp = cm.item_us(w[:, 5] - w[:, 4], w[:, 3], P, w[:, 7] > 1)
     np.testing.assert_allclose(p.item_cost, exp)
     cta_of = np.repeat(np.arange(p.num_ctas), np.diff(p.cta_offsets))
     np.testing.assert_allclose(p.cta_cost, np.bincount(cta_of, weights=exp,
@@ -456,3 +539,123 @@ def test_option_off_is_the_default_kernel():
     loads, base_ptx = _default_load_sites(v)
     assert a.ptx == base_ptx
     assert _tma_load_sites(a) == loads == 3 * (v.head_dim // 64)  # Q, K, V only
+
+
+# ------------------------------------------------------------------- split unpacked items (v18)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_unpacked_items_split_to_balance_a_chunk_over_long_context(fresh):
+    """A prefill chunk over a long cached context makes few unpacked tiles of about equal
+    length (8 tiles x 7 q heads on 40 CTAs here; 2048 over 6144 cached at 28/4 heads makes
+    3.4 tiles a CTA at 128 rows).  The planner now splits the longest of them; every q head
+    of a split token range is split the same way and the group is one packed-layout
+    combine group.  Exact coverage is checked token by token."""
+    q_lens, seq_lens = [1024], [4096]
+    p = plan(qsl_of(q_lens), np.asarray(seq_lens, np.int32), num_kv_heads=1, group_size=7,
+             num_ctas=40, tile_m=128, fresh_kv=fresh, unpacked_prefill=True)
+    unsplit = plan(qsl_of(q_lens), np.asarray(seq_lens, np.int32), num_kv_heads=1,
+                   group_size=7, num_ctas=40, tile_m=128, fresh_kv=fresh,
+                   unpacked_prefill=True, allow_split=False)
+    unp = p.work[:, W_QHEAD] >= 0
+    assert unp.all()
+    split = p.work[:, 7] > 1
+    assert split.any() and not split.all(), "a partial split: only the longest tiles"
+    assert p.modeled_us < unsplit.modeled_us * 0.97
+    # a split token range: G heads x 2 splits; its combine groups: 128 // 8 chunks of the
+    # 8 tokens of a 64-row packed tile
+    assert p.combine.shape[0] == int(split.sum()) // (7 * 2) * (128 // 8)
+    assert check_unpacked_plan(p, q_lens, seq_lens, hkv=1, g=7, fresh=fresh, tile_m=128) == {0}
+
+
+@pytest.mark.parametrize("tile_m", [128, 192])
+def test_chunk_2048_over_6144_at_28_4_heads_splits_unpacked_items(tile_m):
+    """The chunk that was 0.93x FA3 on the H200 (bench/notes.md, v17): the planner splits
+    some of its unpacked tiles and models a lower makespan than the unsplit plan; the
+    workspace layout holds for the real shape and fits the backend's workspace."""
+    qsl, sl = qsl_of([2048]), np.asarray([8192], np.int32)
+    kw = dict(num_kv_heads=4, group_size=7, num_ctas=132, tile_m=tile_m, fresh_kv=True,
+              unpacked_prefill=True, max_partial_rows=256 * 264)
+    p = plan(qsl, sl, **kw)
+    p0 = plan(qsl, sl, allow_split=False, **kw)
+    assert p.num_splits_max == 2 and (p.work[:, W_QHEAD] >= 0).all()
+    assert p.modeled_us < 0.97 * p0.modeled_us
+    assert 0 < p.partial_rows <= 256 * 264
+    check_split_layout(p, 7)
+    # fresh tiles: still exactly one owner each
+    own = fresh_writeback_items(p.work, qsl, sl)
+    keys = {tuple(r[1:]) for r in own.tolist()}
+    assert len(keys) == own.shape[0] == 4 * (2048 // 64)
+
+
+def test_split_layout_checker_rejects_bad_offsets():
+    import dataclasses
+
+    q_lens, seq_lens = [1024], [4096]
+    p = plan(qsl_of(q_lens), np.asarray(seq_lens, np.int32), num_kv_heads=1, group_size=7,
+             num_ctas=40, tile_m=128, unpacked_prefill=True)
+    check_split_layout(p, 7)
+    i = int(np.flatnonzero(p.work[:, 7] > 1)[0])
+    po = p.partial_offsets.copy()
+    po[i] += 1  # onto the next q head's rows
+    w = p.work.copy()
+    j = int(np.flatnonzero((p.work[:, 7] > 1) & (p.work[:, 6] == 0))[0])
+    w[j, 5] -= 1  # split 0 of one q head ends a page early: ranges no longer meet
+    comb = p.combine.copy()
+    comb[0, 5] += 8
+    for bad in (dataclasses.replace(p, partial_offsets=po), dataclasses.replace(p, work=w),
+                dataclasses.replace(p, combine=comb)):
+        with pytest.raises(AssertionError):
+            check_split_layout(bad, 7)
+
+
+def test_worst_case_groups_bounds_split_plans_of_every_tile_size():
+    """Random batches under the split-friendly cost model at 64, 128 and 192 rows, with
+    and without fresh_kv: items within ``worst_case_items``, combine groups within
+    ``worst_case_groups`` (which the backend sizes its group buffers with; the next
+    test shows a plan with more groups than items)."""
+    rng = np.random.default_rng(77)
+    for trial in range(40):
+        g = int(rng.choice([3, 7]))
+        q_lens, seq_lens = random_batch(rng)
+        q_lens.append(int(rng.integers(64, 400)))
+        seq_lens.append(q_lens[-1] + int(rng.integers(200, 3000)))
+        tm = int(rng.choice([64, 128, 192]))
+        fresh = bool(trial % 2)
+        p = plan(qsl_of(q_lens), np.asarray(seq_lens, np.int32), num_kv_heads=2, group_size=g,
+                 num_ctas=16, tile_m=tm, cost_model=CHEAP_SPLIT_MODEL, max_splits=8,
+                 fresh_kv=fresh, unpacked_prefill=True)
+        check_split_layout(p, g)
+        reqs, toks, lmax = len(q_lens), int(sum(q_lens)), int(max(seq_lens))
+        assert p.n_items <= worst_case_items(reqs, toks, lmax, 2, g, tile_m=tm, max_splits=8,
+                                             fresh_kv=fresh, unpacked_prefill=True)
+        assert p.combine.shape[0] <= worst_case_groups(reqs, toks, lmax, 2, g)
+
+
+def test_pack_plan_clears_the_groups_of_an_earlier_plan_with_more_groups_than_items():
+    """A plan whose unpacked split ranges make more combine groups than items, then a
+    small plan packed over it: with ``prev_n_groups`` the combine buffer equals a fresh
+    pack (a stale group left behind would be merged again by the next combine launch,
+    over rows of the new step).  ``DevicePlan.upload`` passes both counts."""
+    big = plan(qsl_of([1000]), np.asarray([3000], np.int32), num_kv_heads=1,
+               group_size=7, num_ctas=132, tile_m=128, unpacked_prefill=True)
+    small = plan(qsl_of([1]), np.asarray([70], np.int32), num_kv_heads=1, group_size=7,
+                 num_ctas=132, tile_m=128, unpacked_prefill=True)
+    n_big, g_big = big.n_items, big.combine.shape[0]
+    assert g_big > n_big
+    cap = 4 * g_big
+    bufs = [np.zeros((cap, 9), np.int32), np.zeros(133, np.int32),
+            np.full(cap, -1, np.int32), np.zeros((cap, 6), np.int32)]
+    pack_plan(big, *bufs)
+    pack_plan(small, *bufs, prev_n_items=n_big, prev_n_groups=g_big)
+    fresh = [np.zeros((cap, 9), np.int32), np.zeros(133, np.int32),
+             np.full(cap, -1, np.int32), np.zeros((cap, 6), np.int32)]
+    pack_plan(small, *fresh)
+    for a, b in zip(bufs, fresh):
+        assert np.array_equal(a, b)
+    # without the group count, rows past the big plan's items would stay stale
+    stale = [np.zeros((cap, 9), np.int32), np.zeros(133, np.int32),
+             np.full(cap, -1, np.int32), np.zeros((cap, 6), np.int32)]
+    pack_plan(big, *stale)
+    pack_plan(small, *stale, prev_n_items=n_big)
+    assert stale[3][n_big:g_big].any()

@@ -33,7 +33,7 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
             "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
-            "ion-unpacked",
+            "ion-auto-nsu", "ion-auto-fused-nsu", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -327,17 +327,21 @@ def prepare_ion_m128_unpacked(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion(case, rot, device, shared, tile_m=128, unpacked_prefill=True)
 
 
-def auto_plan_options(case: Case) -> dict:
+def auto_plan_options(case: Case, allow_192: bool = True) -> dict:
     """What the vLLM backend plans with by default (``ION_UNPACKED_PREFILL=1``,
     ``ION_PREFILL_TILE_M=auto``, ``ION_LANE_COMBINE=1``): unpacked prefill tiles, 128-row
-    tiles when ``cute_kernels.planner.choose_tile_m`` rates the batch prefill-dominated,
-    and the split-parallel combine (since the ninth session; results recorded before it
-    measured ``ion-auto`` with the row combine, i.e. today's ``ion-auto-rc``)."""
+    tiles when ``cute_kernels.planner.choose_tile_m`` rates the batch prefill-dominated
+    (192-row ones where its prefill rows make enough tiles, as the backend's ``auto`` does
+    since 2026-12-02; results recorded before 2026-12-03 ran 128 there, which
+    ``ion-auto-c3`` forced to 192), and the split-parallel combine (since the ninth
+    session; results recorded before it measured ``ion-auto`` with the row combine, i.e.
+    today's ``ion-auto-rc``).  ``allow_192=False``: the 64/128 policy, which the 128-row
+    experiments (page pairs, K/V stages, ping-pong, 128-token pages, ``-c3``) build on."""
     from cute_kernels.planner import choose_tile_m
 
     tile_m = choose_tile_m(np.asarray(case.query_start_loc(), dtype=np.int32),
                            np.asarray(case.kv_lens, dtype=np.int32), num_q_heads=case.hq,
-                           num_kv_heads=case.hkv, head_dim=case.d)
+                           num_kv_heads=case.hkv, head_dim=case.d, allow_192=allow_192)
     return {"unpacked_prefill": True, "tile_m": tile_m, "row_combine": True,
             "lane_combine": True}
 
@@ -378,7 +382,8 @@ def prepare_ion_auto_p128(case: Case, rot: int, device, shared: dict) -> Prepare
     import dataclasses
 
     c128 = dataclasses.replace(case, ion_page=128)
-    return prepare_ion(c128, rot, device, shared, **auto_plan_options(c128))
+    options = auto_plan_options(c128, allow_192=False)
+    return prepare_ion(c128, rot, device, shared, **options)
 
 
 def prepare_ion_auto_lr(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -418,7 +423,7 @@ def prepare_ion_auto_kp(case: Case, rot: int, device, shared: dict) -> Prepared:
     run once per 128 keys.  An experiment aimed at the prefill gap (the vLLM backend runs
     it only under ``ION_KV_PAIR=1``; 2.5% slower on prefill at full clock on the H200).
     Steps that ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
-    opts = auto_plan_options(case)
+    opts = auto_plan_options(case, allow_192=False)
     return prepare_ion(case, rot, device, shared,
                        **dict(opts, kv_pair=opts["tile_m"] == 128))
 
@@ -494,8 +499,9 @@ def prepare_ion_auto_fused_kp(case: Case, rot: int, device, shared: dict) -> Pre
     """``ion-auto-fused`` with page pairs on its 128-row tiles (``kv_pair=True`` fresh_kv
     plans): the default layer's one launch with 128-key S tiles.  An experiment (22%
     slower on prefill than ``ion-auto-fused`` on the H200)."""
-    tile_m = auto_plan_options(case)["tile_m"]
-    return prepare_ion_auto_fused(case, rot, device, shared, kv_pair=tile_m == 128)
+    tile_m = auto_plan_options(case, allow_192=False)["tile_m"]
+    return prepare_ion_auto_fused(case, rot, device, shared, kv_pair=tile_m == 128,
+                                  tile_m=tile_m)
 
 
 def prepare_ion_auto_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -504,7 +510,7 @@ def prepare_ion_auto_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
     the producer may load two 64-token pages ahead of the consumers instead of the
     default four.  For A/B runs; steps that ``choose_tile_m`` gives 64-row tiles run
     exactly ``ion-auto``."""
-    opts = auto_plan_options(case)
+    opts = auto_plan_options(case, allow_192=False)
     return prepare_ion(case, rot, device, shared,
                        **dict(opts, kv_stages=2 if opts["tile_m"] == 128 else None))
 
@@ -512,8 +518,8 @@ def prepare_ion_auto_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
 def prepare_ion_auto_fused_s2(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto-fused`` with two K/V stages on its 128-row tiles (``kv_stages=2``
     fresh_kv plans): the default layer as it was before 2026-12-02."""
-    tile_m = auto_plan_options(case)["tile_m"]
-    return prepare_ion_auto_fused(case, rot, device, shared,
+    tile_m = auto_plan_options(case, allow_192=False)["tile_m"]
+    return prepare_ion_auto_fused(case, rot, device, shared, tile_m=tile_m,
                                   kv_stages=2 if tile_m == 128 else None)
 
 
@@ -527,7 +533,8 @@ def prepare_ion_auto_fused_wf(case: Case, rot: int, device, shared: dict) -> Pre
 def _pingpong_option(case: Case, on: bool) -> dict:
     """Plan option of the ping-pong A/B backends: ``pingpong=on`` on 128-row plans (the
     only kernels that have it), nothing on 64-row ones (they run ``ion-auto``'s kernels)."""
-    return {"pingpong": on} if auto_plan_options(case)["tile_m"] == 128 else {}
+    tile_m = auto_plan_options(case, allow_192=False)["tile_m"]
+    return {"pingpong": on, "tile_m": 128} if tile_m == 128 else {"tile_m": tile_m}
 
 
 def prepare_ion_auto_pp(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -538,7 +545,7 @@ def prepare_ion_auto_pp(case: Case, rot: int, device, shared: dict) -> Prepared:
     slower on prefill on the H200, 4-5% fused (``ion-auto-fused-pp``).  Steps that
     ``choose_tile_m`` gives 64-row tiles run exactly ``ion-auto``."""
     return prepare_ion(case, rot, device, shared,
-                       **dict(auto_plan_options(case), **_pingpong_option(case, True)))
+                       **dict(auto_plan_options(case, allow_192=False), **_pingpong_option(case, True)))
 
 
 def prepare_ion_auto_fused_pp(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -550,7 +557,7 @@ def prepare_ion_auto_np(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto`` without warpgroup ping-pong on its 128-row tiles (``pingpong=False``):
     the other side of the A/B, whatever ``attention.PINGPONG_DEFAULT`` is."""
     return prepare_ion(case, rot, device, shared,
-                       **dict(auto_plan_options(case), **_pingpong_option(case, False)))
+                       **dict(auto_plan_options(case, allow_192=False), **_pingpong_option(case, False)))
 
 
 def prepare_ion_auto_fused_np(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -574,7 +581,7 @@ def prepare_ion_auto_fused_pin(case: Case, rot: int, device, shared: dict) -> Pr
 def _c3_tile_m(case: Case) -> int:
     """``ion-auto``'s tile size with 192 in place of 128: the three-consumer kernels run the
     steps ``choose_tile_m`` gives 128-row tiles; 64-row steps are unchanged."""
-    tile_m = auto_plan_options(case)["tile_m"]
+    tile_m = auto_plan_options(case, allow_192=False)["tile_m"]
     return 192 if tile_m == 128 else tile_m
 
 
@@ -591,6 +598,18 @@ def prepare_ion_auto_fused_c3(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion_auto_fused(case, rot, device, shared, tile_m=_c3_tile_m(case))
 
 
+def prepare_ion_auto_nsu(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto`` planned without splitting unpacked items (``split_unpacked=False``: the
+    planner before v18, 2026-12-03), for the A/B of that change."""
+    return prepare_ion(case, rot, device, shared,
+                       **dict(auto_plan_options(case), split_unpacked=False))
+
+
+def prepare_ion_auto_fused_nsu(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` planned without splitting unpacked items (the planner before v18)."""
+    return prepare_ion_auto_fused(case, rot, device, shared, split_unpacked=False)
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -604,6 +623,8 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-pin": prepare_ion_auto_pin,
            "ion-auto-fused-pin": prepare_ion_auto_fused_pin,
            "ion-auto-c3": prepare_ion_auto_c3, "ion-auto-fused-c3": prepare_ion_auto_fused_c3,
+           "ion-auto-nsu": prepare_ion_auto_nsu,
+           "ion-auto-fused-nsu": prepare_ion_auto_fused_nsu,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa3-layer": prepare_fa3_layer, "fa4": prepare_fa4,
