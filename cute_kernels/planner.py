@@ -948,11 +948,12 @@ M128_MAX_DECODE_FRACTION = 0.07
 #: ``choose_tile_m(allow_192=True)``: a step that would run 128-row tiles runs 192-row ones
 #: (three consumer warpgroups, ``IonAttentionSm90(consumers=3)``) when its prefill rows make
 #: at least this many 192-row tiles (one q head each) per CTA of the persistent grid.  Fewer,
-#: larger items balance worse, and unpacked items are never split.  From the H200 run of
-#: 2026-12-02 (fused layer, 28/4 heads, 132 CTAs; bench/notes.md v17): 8192 fresh tokens
-#: (9.1 tiles a CTA) 879 -> 825 us, 4096 over 4096 cached (4.7) 654 -> 629 us, but 2048
-#: over 6144 cached (2.3) 408 -> 413 us.
-M192_MIN_TILES_PER_CTA = 4.0
+#: larger items balance worse.  H200, fused layer, 28/4 heads, 132 CTAs (bench/notes.md v17,
+#: v18): 8192 fresh tokens (9.1 tiles a CTA) 879 -> 825 us and 4096 over 4096 cached (4.7)
+#: 654 -> 629 us on 2026-12-02; 2048 over 6144 cached (2.3) lost while unpacked items could
+#: not split (408 -> 413 us) and wins since they can (v18, 2026-12-03: 419.7 us at 128 rows,
+#: 384.7 at 192, FA3 396.1).  2.25 admits that lowest measured win and nothing smaller.
+M192_MIN_TILES_PER_CTA = 2.25
 
 
 def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: int,

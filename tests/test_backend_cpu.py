@@ -606,7 +606,7 @@ def test_prefill_tile_m_192_per_step(cpu_platform, tmp_path, monkeypatch):
                        group_size=7, tile_m=192)
     tiles = -(-8192 // 192) * 28
     assert tiles >= planner.M192_MIN_TILES_PER_CTA * b.num_ctas128
-    assert b.build(0, common_metadata([2048], [2048], bt[:1])).plan is b.plan128
+    assert b.build(0, common_metadata([1024], [1024], bt[:1])).plan is b.plan128
     assert b.build(0, common_metadata([1, 1], [700, 9], bt[:2])).plan is b.plan
 
     monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "128")

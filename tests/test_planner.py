@@ -698,7 +698,8 @@ def test_choose_tile_m_follows_the_measured_anchors():
     k3 = dict(kw, allow_192=True, num_ctas=132)
     assert choose_tile_m(_qsl([8192]), [8192], **k3) == 192          # 43 x 28 = 1204 tiles
     assert choose_tile_m(_qsl([4096]), [8192], **k3) == 192          # 22 x 28 = 616
-    assert choose_tile_m(_qsl([2048]), [8192], **k3) == 128          # 11 x 28 = 308
+    assert choose_tile_m(_qsl([2048]), [8192], **k3) == 192          # 11 x 28 = 308 (v18)
+    assert choose_tile_m(_qsl([1024]), [8192], **k3) == 128          # 6 x 28 = 168
     assert choose_tile_m(_qsl([1] * 32 + [2048]), [8192] * 32 + [2048], **k3) == 64
     assert M192_MIN_TILES_PER_CTA > 1
     assert choose_tile_m(_qsl([4096]), [8192], **dict(k3, num_ctas=616)) == 128  # 1 a CTA
