@@ -412,3 +412,16 @@ def test_append_and_fused_backends(monkeypatch):
             want["fresh_kv"] = True
         assert plans[-1] == want
         assert name in kr.BACKENDS
+    # ion-auto-fused-t128 / -t192: the tile size forced on steps with a prefill row (a mixed
+    # step the auto policy gives 64 rows), 64 on decode-only steps
+    mixed = Case("m", q_lens=(1,) * 31 + (600,), kv_lens=(8192,) * 31 + (600,), hq=4,
+                 hkv=2, d=64)
+    decode_only = Case("d", q_lens=(1, 1), kv_lens=(300, 64), hq=4, hkv=2, d=64)
+    assert kr.auto_plan_options(mixed)["tile_m"] == 64
+    for name, tm in (("ion-auto-fused-t128", 128), ("ion-auto-fused-t192", 192)):
+        for c, want_tm in ((mixed, tm), (decode_only, 64)):
+            calls.clear()
+            kr.PREPARE[name](c, 0, "cpu", {}).call()
+            assert calls == [("attn", ["key", "plan", "value"])]
+            assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, tile_m=want_tm)
+        assert name in kr.BACKENDS

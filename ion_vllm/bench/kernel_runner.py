@@ -33,7 +33,8 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-fused-kp", "ion-auto-s2", "ion-auto-fused-s2", "ion-auto-fused-wf",
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
             "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
-            "ion-auto-nsu", "ion-auto-fused-nsu", "ion-unpacked",
+            "ion-auto-nsu", "ion-auto-fused-nsu", "ion-auto-fused-t128",
+            "ion-auto-fused-t192", "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -610,6 +611,24 @@ def prepare_ion_auto_fused_nsu(case: Case, rot: int, device, shared: dict) -> Pr
     return prepare_ion_auto_fused(case, rot, device, shared, split_unpacked=False)
 
 
+def _forced_tile_m(case: Case, tile_m: int) -> int:
+    """``tile_m`` on steps with prefill rows (``PREFILL_ROW_TOKENS`` new tokens or more),
+    whatever ``choose_tile_m``'s decode fraction says; 64 on decode-only steps."""
+    from cute_kernels.planner import PREFILL_ROW_TOKENS
+    return tile_m if max(case.q_lens) >= PREFILL_ROW_TOKENS else 64
+
+
+def prepare_ion_auto_fused_t128(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` on 128-row tiles wherever the step has a prefill row: what the
+    auto policy would run with a higher ``M128_MAX_DECODE_FRACTION`` (mixed steps)."""
+    return prepare_ion_auto_fused(case, rot, device, shared, tile_m=_forced_tile_m(case, 128))
+
+
+def prepare_ion_auto_fused_t192(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` on 192-row tiles wherever the step has a prefill row."""
+    return prepare_ion_auto_fused(case, rot, device, shared, tile_m=_forced_tile_m(case, 192))
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -625,6 +644,8 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-c3": prepare_ion_auto_c3, "ion-auto-fused-c3": prepare_ion_auto_fused_c3,
            "ion-auto-nsu": prepare_ion_auto_nsu,
            "ion-auto-fused-nsu": prepare_ion_auto_fused_nsu,
+           "ion-auto-fused-t128": prepare_ion_auto_fused_t128,
+           "ion-auto-fused-t192": prepare_ion_auto_fused_t192,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa3-layer": prepare_fa3_layer, "fa4": prepare_fa4,

@@ -177,6 +177,14 @@ def _chunks() -> list[Case]:
     return [prefill_chunk(2048, 6144), prefill_chunk(4096, 4096)]
 
 
+def _steps() -> list[Case]:
+    """Steady-state steps of the e2e workloads under ``vllm serve``'s 8192-token budget:
+    seed (7680 in / 512 out, 32 in flight) runs 31 decodes at ~8k beside a fresh prefill
+    chunk of the rest of the budget, and 16 decodes while the batch refills; skewed (4096
+    in, 64 in flight) 63 decodes at ~4.6k beside 8129 prefill tokens."""
+    return [mixed(31, 8192, 8161), mixed(16, 8192, 8176), mixed(63, 4608, 8129)]
+
+
 def _anchors() -> list[Case]:
     return [
         decode(32, 8192),
@@ -221,7 +229,7 @@ def _dedupe(cases: list[Case]) -> list[Case]:
     return list(seen.values())
 
 
-SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "full")
+SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "full")
 
 
 def suite(name: str) -> list[Case]:
@@ -235,8 +243,10 @@ def suite(name: str) -> list[Case]:
         return _pages()
     if name == "chunks":
         return _chunks()
+    if name == "steps":
+        return _steps()
     if name == "full":
-        return _dedupe(_anchors() + _gqa() + _pages() + _chunks())
+        return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps())
     raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
