@@ -56,9 +56,10 @@ of the same (head, token, d) view, into the same smem Q stage (row r = token r);
 consumer maps row -> token with a runtime shift (``row >> log2(Gp)`` packed, ``row``
 unpacked) for the causal mask and the output store (row r -> token q_start + r, head
 h*G + g; rows past the tile's token count are not stored).  A split unpacked item (v18)
-writes its partial rows in the packed layout of its group: token t at ``poff + t * Gp``
-(``poff`` holds its q head; ``planner.partial_row``), so the combine pass is the packed
-one.  With ``fresh_kv`` too, of the G unpacked
+writes its partial rows in the chunked packed layout of ``planner.partial_row`` (chunks of
+64 // Gp tokens, each a packed-layout combine group; ``poff`` holds the block base plus its
+q head, and the row adds the chunk, split index and token), so the combine pass is the
+packed one.  With ``fresh_kv`` too, of the G unpacked
 items holding a fresh tile's owner token only g == 0 stores it (``planner.fresh_tile_owned``).
 
 Two consumer warpgroups (``consumers=2``; with 1 the generated code is the kernel above):
