@@ -241,10 +241,12 @@ def test_fused_pair_variant_compiles_for_sm90a(vi):
 
 
 # consumers=2 PTX at commit 5f3ec61 (before kv_pair), `//` lines and the PDL trigger dropped
+# unpacked pins re-taken on 2026-12-03 (v18: the chunked partial store of split unpacked
+# items, GPU-validated); the plain pins are unchanged
 _PINNED_C2 = [
-    (1, "plain", "d289485e9409d5ab"), (1, "unpacked", "96824f6d09569c58"),
-    (7, "plain", "080067091f9dc541"), (7, "unpacked", "1399be344b6a948a"),
-    (12, "unpacked", "fb27f2d9d7c26942"), (7, "fused-unpacked", "f77e09c9bf6b89b3"),
+    (1, "plain", "d289485e9409d5ab"), (1, "unpacked", "b99fefce2413a5c5"),
+    (7, "plain", "080067091f9dc541"), (7, "unpacked", "af96c199af3710f3"),
+    (12, "unpacked", "2497ce387a137f80"), (7, "fused-unpacked", "076d8a2d602bc132"),
 ]
 
 

@@ -567,16 +567,18 @@ def prepare_ion_auto_fused_np(case: Case, rot: int, device, shared: dict) -> Pre
 
 
 def prepare_ion_auto_pin(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto`` on the kernels with the pinned PV wait (``pin_pv_wait=True`` plans, any
-    tile size; the backend's ``ION_PIN_PV_WAIT=1``): the steady state waits for its previous
+    """``ion-auto`` on the kernels with the pinned PV wait (``pin_pv_wait=True`` plans, the
+    64/128 policy it was measured with; the backend's ``ION_PIN_PV_WAIT=1``): the steady state waits for its previous
     O += P V after the softmax in the SASS too, so the softmax runs under that PV."""
     return prepare_ion(case, rot, device, shared,
-                       **dict(auto_plan_options(case), pin_pv_wait=True))
+                       **dict(auto_plan_options(case, allow_192=False), pin_pv_wait=True))
 
 
 def prepare_ion_auto_fused_pin(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto-fused`` on the kernels with the pinned PV wait."""
-    return prepare_ion_auto_fused(case, rot, device, shared, pin_pv_wait=True)
+    # an experiment on the 64/128-row kernels (measured there, thirteenth session)
+    tile_m = auto_plan_options(case, allow_192=False)["tile_m"]
+    return prepare_ion_auto_fused(case, rot, device, shared, pin_pv_wait=True, tile_m=tile_m)
 
 
 def _c3_tile_m(case: Case) -> int:
