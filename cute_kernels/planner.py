@@ -631,6 +631,7 @@ def plan(
         nmax = int(n_pages.max())
         s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
         caps = np.unique((nmax + s_try - 1) // s_try)
+        n_even = caps.shape[0]
         # partial splits: caps between nmax / 2 and nmax split only the tiles longer than
         # the cap, in two.  When every tile is about as long (a prefill chunk over a long
         # context: 3.4 unsplittable tiles a CTA at 128 rows) splitting all of them doubles
@@ -642,7 +643,6 @@ def plan(
             caps = np.concatenate([caps, np.setdiff1d(qs[qs < nmax], caps)])
         # the first n_even caps split every long tile evenly, the rest are partial splits;
         # each family gets its own _MAX_SPLIT_EVALS real evaluations
-        n_even = int(np.unique((nmax + s_try - 1) // s_try).shape[0])
         family = (np.arange(caps.shape[0]) >= n_even).astype(np.int64)
         order = np.argsort(-caps, kind="stable")
         caps, family = caps[order], family[order]

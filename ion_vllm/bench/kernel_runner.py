@@ -383,8 +383,7 @@ def prepare_ion_auto_p128(case: Case, rot: int, device, shared: dict) -> Prepare
     import dataclasses
 
     c128 = dataclasses.replace(case, ion_page=128)
-    options = auto_plan_options(c128, allow_192=False)
-    return prepare_ion(c128, rot, device, shared, **options)
+    return prepare_ion(c128, rot, device, shared, **auto_plan_options(c128, allow_192=False))
 
 
 def prepare_ion_auto_lr(case: Case, rot: int, device, shared: dict) -> Prepared:
