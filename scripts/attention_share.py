@@ -62,6 +62,45 @@ def kernel_events(trace: dict) -> list[tuple[str, float]]:
     return out
 
 
+def kernel_intervals(trace: dict) -> list[tuple[float, float]]:
+    """(start, end) in us of every complete GPU kernel event (``cat == "kernel"``)."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        if (ev.get("cat") == "kernel" and ev.get("ph", "X") == "X" and "dur" in ev
+                and "ts" in ev):
+            t0 = float(ev["ts"])
+            out.append((t0, t0 + float(ev["dur"])))
+    return out
+
+
+def busy_stats(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> dict:
+    """How busy the GPU was over the profiled span: ``span_us`` (first kernel start to last
+    kernel end), ``busy_us`` (the union of the kernel intervals, so overlapping kernels on
+    other streams count once), ``idle_us`` = span - busy, ``busy_share``, and the gaps of at
+    least ``gap_us`` between busy stretches (``long_gaps``, ``long_gap_us``): where the GPU
+    waited for the host rather than between back-to-back launches."""
+    if not intervals:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "busy_share": 0.0,
+                "long_gaps": 0, "long_gap_us": 0.0, "gap_threshold_us": gap_us}
+    iv = sorted(intervals)
+    busy, long_gaps, long_gap_us = 0.0, 0, 0.0
+    cur_s, cur_e = iv[0]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            if s - cur_e >= gap_us:
+                long_gaps += 1
+                long_gap_us += s - cur_e
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in iv) - iv[0][0]
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "busy_share": busy / span if span else 0.0, "long_gaps": long_gaps,
+            "long_gap_us": long_gap_us, "gap_threshold_us": gap_us}
+
+
 def attn_regex(backend: str, overrides: dict[str, str] | None = None) -> str:
     """Attention regex for ``backend``: an override (key backend or ``*``), else the default."""
     overrides = overrides or {}
@@ -128,8 +167,11 @@ def analyze_backend(backend: str, trace_dir: str, overrides=None) -> dict:
     paths = find_traces(trace_dir)
     if not paths:
         raise FileNotFoundError(f"no *.pt.trace.json[.gz] under {trace_dir}")
-    kernels = [k for p in paths for k in kernel_events(load_trace(p))]
+    traces = [load_trace(p) for p in paths]
+    kernels = [k for t in traces for k in kernel_events(t)]
     res = aggregate(kernels, attn_regex(backend, overrides))
+    # one worker here (TP 1); with several, each trace has its own GPU: the first one's span
+    res["busy"] = busy_stats(kernel_intervals(traces[0]))
     res["traces"] = [os.path.relpath(p, trace_dir) for p in paths]
     return res
 
@@ -144,6 +186,9 @@ def compare(results: dict[str, dict], baseline: str) -> dict[str, dict]:
         if "total_us" not in r:
             continue
         row = {"measured_gpu_ratio": r["total_us"] / base["total_us"],
+               **({"span_ratio": r["busy"]["span_us"] / base["busy"]["span_us"]}
+                  if r.get("busy", {}).get("span_us") and base.get("busy", {}).get("span_us")
+                  else {}),
                "attention_time_ratio": r["category_us"]["attention"] / base["category_us"]["attention"],
                "predicted_ratio": predicted_ratio(base["attention_share"],
                                                   r["category_us"]["attention"],
@@ -171,7 +216,21 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
         lines.append(f"| {name} | {ms(r['total_us'])} | {ms(c['attention'])} | {ms(c['gemm'])} "
                      f"| {ms(c['other'])} | {r['attention_share']:.1%} | {f('measured_gpu_ratio')} "
                      f"| {f('predicted_ratio')} | {f('timed_wall_ratio')} |")
-    lines += ["", "Predicted X/B = (1 - a_B) + a_B * t_X / t_B, a_B = baseline attention share."]
+    lines += ["", "Predicted X/B = (1 - a_B) + a_B * t_X / t_B, a_B = baseline attention share.",
+              "", "GPU busy over the profiled span (union of kernel intervals; gaps of at least "
+              "0.1 ms are where the GPU waited for the host):", "",
+              "| backend | span ms | busy ms | idle ms | busy share | gaps >= 0.1 ms | their ms "
+              "| span ratio |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        b = r.get("busy")
+        if not b:
+            continue
+        q = ratios.get(name, {})
+        lines.append(f"| {name} | {ms(b['span_us'])} | {ms(b['busy_us'])} | {ms(b['idle_us'])} "
+                     f"| {b['busy_share']:.1%} | {b['long_gaps']} | {ms(b['long_gap_us'])} "
+                     f"| {q['span_ratio']:.3f} |" if "span_ratio" in q else
+                     f"| {name} | {ms(b['span_us'])} | {ms(b['busy_us'])} | {ms(b['idle_us'])} "
+                     f"| {b['busy_share']:.1%} | {b['long_gaps']} | {ms(b['long_gap_us'])} | - |")
     for name, r in results.items():
         if "top_kernels" not in r:
             continue

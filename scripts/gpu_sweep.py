@@ -345,6 +345,9 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         res.update(path=path, forced_split=force_split, tile_m=tile_m,
                    unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
                    split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
+                   split_unpacked_items=int(((plan.host.work[:, 7] > 1)
+                                             & (plan.host.work[:, 8] >= 0)).sum())
+                   if plan.num_items else 0,
                    partial_rows=int(plan.host.partial_rows))
 
         if fused:
@@ -444,6 +447,8 @@ def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
         "cases_with_split_kv": sum(1 for r in results if r.get("split_items", 0) > 0),
         "split_items": sum(r.get("split_items", 0) for r in results),
         "cases_with_unpacked_tiles": sum(1 for r in results if r.get("unpacked_items", 0) > 0),
+        "cases_with_split_unpacked": sum(1 for r in results
+                                         if r.get("split_unpacked_items", 0) > 0),
         "verdict": "PASS" if not failed else "FAIL",
     }
 
@@ -477,8 +482,9 @@ def parse_args(argv=None):
     ap.add_argument("--path", choices=("append", "fused"), default="append",
                     help="append: kv_append then attention (the backend's default); fused: "
                          "one call writes the cache and attends (ION_FUSED_KV_WRITEBACK=1)")
-    ap.add_argument("--tile-m", type=int, choices=(64, 128), default=64,
-                    help="q tile rows: 128 runs the two-consumer-warpgroup kernel")
+    ap.add_argument("--tile-m", type=int, choices=(64, 128, 192), default=64,
+                    help="q tile rows: 128 runs the two-consumer-warpgroup kernel, 192 the "
+                         "three-consumer one (the backend's tiles for long prefill steps)")
     ap.add_argument("--unpacked-prefill", action="store_true",
                     help="plan with unpacked prefill tiles (ION_UNPACKED_PREFILL=1 variant)")
     ap.add_argument("--force-split-every", type=int, default=4,

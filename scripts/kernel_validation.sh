@@ -9,7 +9,9 @@
 #      combine launched by programmatic dependent launch (workspace NaN-poisoned), and fused
 #      writeback on 128-row tiles, and the split-parallel combine, and the experiments on
 #      128-row tiles (page pairs, two K/V stages, warpgroup ping-pong) and the pinned PV
-#      wait (64-row and fused 128-row), plain and fused;
+#      wait (64-row and fused 128-row), plain and fused; the 192-row (three consumer
+#      warpgroups) kernels with the v18 split of unpacked tiles, plain and fused, and the
+#      backend's default 64-row form (fused, unpacked, split-parallel combine);
 #   3. the anchor A/B: ion, ion-unpacked, ion-m128(-unpacked) and FA3 in one ion-bench run.
 # Steps 1-2 only check correctness, and most of their wall time is CuTeDSL compiling on the
 # CPU, so with KVAL_PARALLEL=1 they run side by side (each with its own CuTeDSL cache dir, so
@@ -104,6 +106,15 @@ checks=(
   "sweep-fusedpp python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --path fused --tile-m 128 --unpacked-prefill --lane-combine --pingpong on
      --force-split-every 2 --out $out/sweep-fusedpp"
+  "sweep-m192 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --tile-m 192 --unpacked-prefill --lane-combine --force-split-every 2
+     --out $out/sweep-m192"
+  "sweep-fused192 python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --tile-m 192 --unpacked-prefill --lane-combine --force-split-every 2
+     --out $out/sweep-fused192"
+  "sweep-fusedlanes python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
+     --path fused --unpacked-prefill --lane-combine --force-split-every 2
+     --out $out/sweep-fusedlanes"
   "sweep-pin python3 scripts/gpu_sweep.py --cases $cases --time-budget $budget --quiet
      --unpacked-prefill --lane-combine --pin-pv-wait on --force-split-every 2
      --out $out/sweep-pin"
@@ -132,7 +143,8 @@ if [ -z "${KVAL_STEPS:-}" ] || [[ " $KVAL_STEPS " == *" bench-anchors "* ]]; the
 fi
 for n in pytest-gpu sweep-append sweep-fused sweep-unpacked sweep-m128 sweep-rowcomb \
     sweep-lazy sweep-pdl sweep-fused128 sweep-lanes sweep-kvpair sweep-fusedkp \
-    sweep-s2 sweep-fuseds2 sweep-pp sweep-fusedpp sweep-pin sweep-fusedpin bench-anchors; do
+    sweep-s2 sweep-fuseds2 sweep-pp sweep-fusedpp sweep-m192 sweep-fused192 sweep-fusedlanes \
+    sweep-pin sweep-fusedpin bench-anchors; do
   cat "$out/$n.step" 2>/dev/null || printf '%-16s rc=%-3s %4ss\n' "$n" "-" "-"
 done > "$out/steps.txt"
 
@@ -144,14 +156,15 @@ lines = ["# Kernel validation", "", "```", open(os.path.join(out, "steps.txt")).
 for name in ("sweep-append", "sweep-fused", "sweep-unpacked", "sweep-m128", "sweep-rowcomb",
              "sweep-lazy", "sweep-pdl", "sweep-fused128", "sweep-lanes", "sweep-kvpair",
              "sweep-fusedkp", "sweep-s2", "sweep-fuseds2", "sweep-pp", "sweep-fusedpp",
-             "sweep-pin", "sweep-fusedpin"):
+             "sweep-m192", "sweep-fused192", "sweep-fusedlanes", "sweep-pin", "sweep-fusedpin"):
     p = os.path.join(out, name, "summary.json")
     if os.path.exists(p):
         s = json.load(open(p))
         lines.append(f"- {name}: {s['verdict']} {s['passed']}/{s['cases']} (of {s.get('cases_planned')} planned), "
                      f"max rel err "
                      f"{s['max_rel_err']}, cases with split-KV {s.get('cases_with_split_kv')}, "
-                     f"with unpacked tiles {s.get('cases_with_unpacked_tiles')}")
+                     f"with unpacked tiles {s.get('cases_with_unpacked_tiles')}, "
+                     f"with split unpacked tiles {s.get('cases_with_split_unpacked')}")
     else:
         lines.append(f"- {name}: no summary")
 t = os.path.join(out, "bench", "table.md")

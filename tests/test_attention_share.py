@@ -136,6 +136,33 @@ def test_aggregate_shares_and_top():
     assert A.aggregate([], "x")["attention_share"] == 0.0
 
 
+def test_busy_stats_union_and_gaps():
+    # two overlapping kernels (another stream) count once; a 150 us gap is a host wait,
+    # a 5 us gap is not
+    iv = [(0.0, 10.0), (5.0, 20.0), (25.0, 30.0), (180.0, 200.0)]
+    b = A.busy_stats(iv)
+    assert b["span_us"] == pytest.approx(200.0)
+    assert b["busy_us"] == pytest.approx(20.0 + 5.0 + 20.0)
+    assert b["idle_us"] == pytest.approx(155.0)
+    assert b["long_gaps"] == 1 and b["long_gap_us"] == pytest.approx(150.0)
+    assert b["busy_share"] == pytest.approx(45.0 / 200.0)
+    # order does not matter; a kernel inside another adds nothing
+    assert A.busy_stats(list(reversed(iv)) + [(1.0, 2.0)]) == b
+    assert A.busy_stats([])["busy_share"] == 0.0
+
+
+def test_kernel_intervals_from_trace(tmp_path):
+    p = tmp_path / "w.pt.trace.json"
+    _write_trace(p, FA_RUN)
+    iv = A.kernel_intervals(A.load_trace(str(p)))
+    assert len(iv) == len(FA_RUN)
+    b = A.busy_stats(iv)
+    # _write_trace leaves 1 us between kernels: busy = the kernel time, idle = the gaps
+    assert b["busy_us"] == pytest.approx(380.0)
+    assert b["idle_us"] == pytest.approx(len(FA_RUN) - 1)
+    assert b["long_gaps"] == 0
+
+
 def test_predicted_ratio_formula():
     assert A.predicted_ratio(0.5, 1.0, 2.0) == pytest.approx(0.75)
     assert A.predicted_ratio(0.3, 7.0, 7.0) == pytest.approx(1.0)
@@ -175,6 +202,9 @@ def test_compare_and_main_parse_only(tmp_path, capsys):
     assert ratios["FLASH_ATTN"]["predicted_ratio"] == pytest.approx(1.0)
     md = (tmp_path / "attention_share.md").read_text()
     assert "| ION |" in md and "IonAttentionSm90" in md and "36.8%" in md
+    # two worker traces: busy is the first one's GPU (4 x 30 + 4 x 5 us)
+    assert res["FLASH_ATTN"]["busy"]["busy_us"] == pytest.approx(140.0)
+    assert "span ratio" in md and "ratio" in json.dumps(ratios["ION"])
     last = capsys.readouterr().out.strip().splitlines()
     assert last[-2].startswith("ION") and last[-1].startswith("FLASH_ATTN")
     assert "0.826" in last[-2]

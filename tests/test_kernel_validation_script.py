@@ -30,7 +30,7 @@ def test_script_completes_and_summarizes_without_gpu(tmp_path, parallel):
                      "sweep-m128", "sweep-rowcomb", "sweep-lazy", "sweep-pdl",
                      "sweep-fused128", "sweep-lanes", "sweep-kvpair", "sweep-fusedkp",
                      "sweep-s2", "sweep-fuseds2", "sweep-pp", "sweep-fusedpp",
-                     "sweep-pin", "sweep-fusedpin", "bench-anchors"]
+                     "sweep-m192", "sweep-fused192", "sweep-fusedlanes", "sweep-pin", "sweep-fusedpin", "bench-anchors"]
     # without a GPU nothing can pass: no step may claim success
     assert all("rc=0 " not in s for s in steps), steps
     summary = (out / "summary.md").read_text()
