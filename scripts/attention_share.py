@@ -73,6 +73,62 @@ def kernel_intervals(trace: dict) -> list[tuple[float, float]]:
     return out
 
 
+def kernel_spans(trace: dict) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every complete GPU kernel event, in start order."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        if (ev.get("cat") == "kernel" and ev.get("ph", "X") == "X" and "dur" in ev
+                and "ts" in ev):
+            t0 = float(ev["ts"])
+            out.append((t0, t0 + float(ev["dur"]), str(ev.get("name", ""))))
+    out.sort()
+    return out
+
+
+def _short(name: str, attn_pattern: str, width: int = 48) -> str:
+    """A kernel's category and the start of its name (a gap's neighbours in the report)."""
+    return f"{classify(name, attn_pattern)}:{name[:width]}"
+
+
+def gap_attribution(spans: list[tuple[float, float, str]], attn_pattern: str,
+                    top: int = 12) -> list[dict]:
+    """Where the GPU sat idle: every gap between busy stretches (the union of the kernel
+    intervals), keyed by the kernel that ended the stretch before it and the kernel that
+    started the one after (``_short`` names), with the summed gap time and the count; the
+    ``top`` keys by summed time.  A backend's extra idle time then names its launches."""
+    acc: dict[tuple[str, str], list] = defaultdict(lambda: [0.0, 0])
+    if not spans:
+        return []
+    end, last = spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end:
+            key = (_short(last, attn_pattern), _short(name, attn_pattern))
+            acc[key][0] += s - end
+            acc[key][1] += 1
+        if e >= end:
+            end, last = e, name
+    ranked = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"before": a, "after": b, "us": us, "count": n} for (a, b), (us, n) in ranked]
+
+
+def attention_calls_by_length(kernels: list[tuple[str, float]], attn_pattern: str,
+                              long_us: float = 400.0) -> dict:
+    """The attention kernels' calls split at ``long_us``: on a 7B model a decode step's
+    attention call takes ~0.13 ms and a step carrying a long prefill chunk's ~1-2 ms, so
+    the two classes separate cleanly.  ``{"short": {"count", "us"}, "long": {...}}``;
+    only calls of at least 20 us count (the combine and cache-write kernels are excluded,
+    as are a backend's small helper launches)."""
+    out = {"short": {"count": 0, "us": 0.0}, "long": {"count": 0, "us": 0.0},
+           "long_us": long_us}
+    for name, dur in kernels:
+        if dur < 20.0 or not re.search(attn_pattern, name):
+            continue
+        c = out["long" if dur >= long_us else "short"]
+        c["count"] += 1
+        c["us"] += dur
+    return out
+
+
 def busy_stats(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> dict:
     """How busy the GPU was over the profiled span: ``span_us`` (first kernel start to last
     kernel end), ``busy_us`` (the union of the kernel intervals, so overlapping kernels on
@@ -172,6 +228,8 @@ def analyze_backend(backend: str, trace_dir: str, overrides=None) -> dict:
     res = aggregate(kernels, attn_regex(backend, overrides))
     # one worker here (TP 1); with several, each trace has its own GPU: the first one's span
     res["busy"] = busy_stats(kernel_intervals(traces[0]))
+    res["gaps"] = gap_attribution(kernel_spans(traces[0]), res["attn_pattern"])
+    res["attention_calls"] = attention_calls_by_length(kernels, res["attn_pattern"])
     res["traces"] = [os.path.relpath(p, trace_dir) for p in paths]
     return res
 
@@ -231,6 +289,24 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
                      f"| {q['span_ratio']:.3f} |" if "span_ratio" in q else
                      f"| {name} | {ms(b['span_us'])} | {ms(b['busy_us'])} | {ms(b['idle_us'])} "
                      f"| {b['busy_share']:.1%} | {b['long_gaps']} | {ms(b['long_gap_us'])} | - |")
+    split = [(n, r["attention_calls"]) for n, r in results.items() if r.get("attention_calls")]
+    if split:
+        lines += ["", "Attention calls of at least 20 us, split at "
+                  f"{split[0][1]['long_us'] / 1e3:.1f} ms (decode steps / prefill-carrying "
+                  "steps):", "", "| backend | short calls | short ms | mean us | long calls "
+                  "| long ms | mean us |", "|---|---|---|---|---|---|---|"]
+        for n, c in split:
+            sh, lo = c["short"], c["long"]
+            mean = lambda x: f"{x['us'] / x['count']:.1f}" if x["count"] else "-"  # noqa: E731
+            lines.append(f"| {n} | {sh['count']} | {ms(sh['us'])} | {mean(sh)} | {lo['count']} "
+                         f"| {ms(lo['us'])} | {mean(lo)} |")
+    for name, r in results.items():
+        if r.get("gaps"):
+            lines += ["", f"{name}: idle time by the kernels around each gap "
+                      "(before -> after; category:name):", "",
+                      "| before | after | idle ms | gaps |", "|---|---|---|---|"]
+            lines += [f"| `{g['before']}` | `{g['after']}` | {ms(g['us'])} | {g['count']} |"
+                      for g in r["gaps"]]
     for name, r in results.items():
         if "top_kernels" not in r:
             continue

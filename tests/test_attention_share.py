@@ -151,6 +151,33 @@ def test_busy_stats_union_and_gaps():
     assert A.busy_stats([])["busy_share"] == 0.0
 
 
+def test_gap_attribution_names_the_launch_after_the_idle():
+    att = A.attn_regex("ION")
+    spans = [(0.0, 10.0, "nvjet_gemm_a"), (2.0, 12.0, "rms_norm_kernel"),  # overlap: no gap
+             (20.0, 30.0, "kernel_IonAttentionSm90_0"),     # 8 us after the norm
+             (31.0, 35.0, "kernel_CombineRowsSm90_0"),      # 1 us after attention
+             (55.0, 60.0, "nvjet_gemm_a"),                  # 20 us after the combine
+             (70.0, 80.0, "kernel_IonAttentionSm90_0")]     # 10 us after the gemm
+    g = A.gap_attribution(spans, att)
+    by = {(x["before"].split(":")[0], x["after"].split(":")[0]): x for x in g}
+    assert [round(x["us"], 6) for x in g] == [20.0, 10.0, 8.0, 1.0]
+    assert by[("attention", "gemm")]["count"] == 1
+    assert g[0]["before"].endswith("CombineRowsSm90_0") and g[0]["after"] == "gemm:nvjet_gemm_a"
+    assert g[2]["before"] == "other:rms_norm_kernel"  # the stretch ended with the norm
+    assert sum(x["us"] for x in g) == pytest.approx(
+        A.busy_stats([(s, e) for s, e, _ in spans], gap_us=0)["idle_us"])
+    assert A.gap_attribution([], att) == []
+
+
+def test_attention_calls_by_length():
+    att = A.attn_regex("FLASH_ATTN")
+    ks = [("flash_fwd_kernel", 130.0)] * 3 + [("flash_fwd_kernel", 1800.0)] * 2 + \
+         [("reshape_and_cache_flash_kernel", 5.0)] * 5 + [("nvjet_gemm", 900.0)]
+    c = A.attention_calls_by_length(ks, att)
+    assert c["short"] == {"count": 3, "us": 390.0}
+    assert c["long"] == {"count": 2, "us": 3600.0}
+
+
 def test_kernel_intervals_from_trace(tmp_path):
     p = tmp_path / "w.pt.trace.json"
     _write_trace(p, FA_RUN)
@@ -205,6 +232,8 @@ def test_compare_and_main_parse_only(tmp_path, capsys):
     # two worker traces: busy is the first one's GPU (4 x 30 + 4 x 5 us)
     assert res["FLASH_ATTN"]["busy"]["busy_us"] == pytest.approx(140.0)
     assert "span ratio" in md and "ratio" in json.dumps(ratios["ION"])
+    assert "idle time by the kernels around each gap" in md and res["ION"]["gaps"]
+    assert "short calls" in md and res["FLASH_ATTN"]["attention_calls"]["short"]["count"] == 4
     last = capsys.readouterr().out.strip().splitlines()
     assert last[-2].startswith("ION") and last[-1].startswith("FLASH_ATTN")
     assert "0.826" in last[-2]
