@@ -119,6 +119,14 @@ PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
 LANE_COMBINE_ENV = "ION_LANE_COMBINE"
 #: Test-only fault injection (see IonAttentionImpl): ``ION_FAULT_INJECT=swap_kv_page``.
 FAULT_INJECT_ENV = "ION_FAULT_INJECT"
+#: ``ION_PLAN_REUSE`` (default 1): a step whose batch has the same ``planner.plan_reuse_key``
+#: as the last step planned at its tile size reuses that plan, and its device copy when it is
+#: still resident, instead of planning and uploading again.  The key is what ``plan`` reads,
+#: so the plan is the same one; the saving is host time inside the metadata build, which
+#: the GPU waited for on every step (seed, profiled: 224 us a step under ION against 15
+#: under FLASH_ATTN between vLLM's input kernels and the forward; bench/notes.md, sixteenth
+#: session).  ``0``: plan every step (the A/B baseline).
+PLAN_REUSE_ENV = "ION_PLAN_REUSE"
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
 
 _HOPPER_SMS_DEFAULT = 132  # H100/H200 SXM; only used when the builder's device is not CUDA
@@ -223,6 +231,10 @@ def kv_pair() -> bool:
 
 def pin_pv_wait() -> bool:
     return _switch(PIN_PV_WAIT_ENV, "PV wait pinned after the softmax")
+
+
+def plan_reuse() -> bool:
+    return _switch(PLAN_REUSE_ENV, "plan reuse across steps", default="1")
 
 
 def lane_combine() -> bool:
@@ -390,6 +402,12 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         self.num_ctas = sms * ctas_per_sm_for(1, self.page_size)
         self.partial_rows = self.partial_rows_per_cta * self.num_ctas if self.allow_split else 0
         self.plan = self._device_plan(Q_TILE_ROWS, self.num_ctas)
+        #: tile_m -> (plan_reuse_key, host plan) of the last step planned at that tile size
+        self.reuse_plans = plan_reuse()
+        self._last_plans: dict[int, tuple[bytes, Any]] = {}
+        #: steps planned / steps that reused the previous plan (diagnostics, tests)
+        self.plans_made = 0
+        self.plans_reused = 0
         self.item_capacity = self.plan.item_capacity
         self.group_capacity = self.plan.group_capacity
         #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
@@ -520,13 +538,39 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         return np.ascontiguousarray(host[: common.num_reqs].numpy(), dtype=np.int32)
 
     def upload_plan(self, host_plan: Any):
-        """Copy ``host_plan`` into the persistent device buffers of its tile size (in place)."""
+        """Copy ``host_plan`` into the persistent device buffers of its tile size (in place);
+        nothing to copy when those buffers already hold this very plan object (a reused
+        plan: ``upload`` is the only writer of the buffers, and it records the plan it
+        wrote as ``DevicePlan.host``)."""
         tile_m = getattr(host_plan, "tile_m", Q_TILE_ROWS)
         if tile_m == 3 * Q_TILE_ROWS:
-            return self.plan192.upload(host_plan)
-        if tile_m == 2 * Q_TILE_ROWS:
-            return self.plan128.upload(host_plan)
-        return self.plan.upload(host_plan)
+            dp = self.plan192
+        elif tile_m == 2 * Q_TILE_ROWS:
+            dp = self.plan128
+        else:
+            dp = self.plan
+        if dp.host is host_plan:
+            return dp
+        return dp.upload(host_plan)
+
+    def step_plan(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
+        """This step's host plan: the last plan of the step's tile size when the batch has
+        the same ``plan_reuse_key`` (so ``run_planner`` would return an equal plan), else a
+        new one."""
+        tile_m = self.step_tile_m(query_start_loc, seq_lens)
+        key = None
+        if self.reuse_plans:
+            key = _planner().plan_reuse_key(query_start_loc, seq_lens,
+                                            page_size=self.page_size, fresh_kv=self.fresh_kv)
+            last = self._last_plans.get(tile_m)
+            if key is not None and last is not None and last[0] == key:
+                self.plans_reused += 1
+                return last[1]
+        host_plan = self.run_planner(query_start_loc, seq_lens, tile_m)
+        self.plans_made += 1
+        if key is not None:
+            self._last_plans[tile_m] = (key, host_plan)
+        return host_plan
 
     # ------------------------------------------------------------------ build
     def build(
@@ -540,7 +584,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         qsl_host = np.ascontiguousarray(
             common.query_start_loc_cpu[: num_reqs + 1].numpy(), dtype=np.int32)
         sl_host = self.host_seq_lens(common)
-        host_plan = self.run_planner(qsl_host, sl_host, self.step_tile_m(qsl_host, sl_host))
+        host_plan = self.step_plan(qsl_host, sl_host)
         return IonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=num_reqs,

@@ -802,3 +802,52 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     monkeypatch.setenv(validation.EXPERIMENTAL_PAGE_ENV, "128")
     out, ref, _ = run_impl_case(make_config, monkeypatch, fault=False, page=128)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_builder_reuses_the_plan_of_an_equal_key(make_config, monkeypatch):
+    """Decode steps whose rows stay inside their pages reuse the last plan and skip the
+    upload; a row crossing a page, another batch in between, or ION_PLAN_REUSE=0 plan again,
+    and the device buffers always hold the plan of the step."""
+    cfg = make_config("--max-num-seqs", "8")
+    builder = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert builder.reuse_plans
+    bt = torch.arange(4 * 8, dtype=torch.int32).reshape(4, 8)
+    q = [1, 1, 1, 1]
+
+    def step(seq_lens, q_lens=q):
+        md = builder.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
+        work = md.plan.work[: md.plan.num_items]
+        np.testing.assert_array_equal(work.numpy(), md.plan.host.work[:, : md.plan.work_cols])
+        coverage_from_work(work, q_lens, seq_lens)
+        return md
+
+    # md.plan is the builder's one DevicePlan: keep each step's host plan object
+    h1 = step([100, 200, 300, 70]).plan.host
+    assert (builder.plans_made, builder.plans_reused) == (1, 0)
+    h2 = step([101, 201, 301, 71]).plan.host  # every row inside its page: same key
+    assert (builder.plans_made, builder.plans_reused) == (1, 1)
+    assert h2 is h1
+    # row 3: 129 cached tokens (3 cache pages, the last holding one) + the new one: the
+    # fused plan's tile reads one KV unit more
+    h3 = step([102, 202, 302, 130]).plan.host
+    assert (builder.plans_made, builder.plans_reused) == (2, 1)
+    units3 = lambda h: int(h.work[h.work[:, 0] == 3][:, 5].max())  # noqa: E731
+    assert h3 is not h1 and units3(h3) == units3(h1) + 1 == 4
+    # another batch in between: the builder keeps the last plan of a tile size only, so
+    # the earlier key is planned again (an equal plan, a new object)
+    step([50, 60], q_lens=[1, 1])
+    h5 = step([103, 203, 303, 131]).plan.host
+    assert builder.plans_made == 4 and h5 is not h3
+    np.testing.assert_array_equal(h5.work, h3.work)
+    # a reused plan whose buffers were overwritten meanwhile is uploaded again
+    other = builder.run_planner(np.array([0, 1, 2], np.int32), np.array([50, 60], np.int32))
+    builder.upload_plan(other)
+    assert builder.plan.host is other
+    h6 = step([104, 204, 304, 132]).plan.host  # step() checks the buffers hold h6
+    assert h6 is h5 and builder.plans_reused == 2 and builder.plan.host is h5
+    monkeypatch.setenv("ION_PLAN_REUSE", "0")
+    b2 = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b2.reuse_plans
+    for sl in ([100, 200, 300, 70], [101, 201, 301, 71]):
+        b2.build(0, common_metadata(q, sl, bt))
+    assert (b2.plans_made, b2.plans_reused) == (2, 0)
