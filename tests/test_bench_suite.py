@@ -103,3 +103,15 @@ def test_select_and_errors():
         ks.Case("bad", (5,), (4,))
     with pytest.raises(ValueError):
         ks.Case("bad", (1,), (4,), hq=6, hkv=4)
+
+
+def test_multi_prefill_cases():
+    c = ks.prefills((6656, 7680, 2048), (1024, 0, 0))
+    assert c.name == "prefills-6656c1024+7680+2048-h28/4-d128"
+    assert c.q_lens == (6656, 7680, 2048) and c.kv_lens == (7680, 7680, 2048)
+    assert ks.flops(c) == 4 * 128 * 28 * sum(
+        ks.attended_pairs(q, k) for q, k in zip(c.q_lens, c.kv_lens))
+    assert [x.name for x in ks.suite("multi")][0] == "prefills-7680+7680+1024-h28/4-d128"
+    assert {x.name for x in ks.suite("multi")} <= {x.name for x in ks.suite("full")}
+    with pytest.raises(ValueError):
+        ks.prefills((10, 20), (0,))

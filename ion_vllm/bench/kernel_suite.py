@@ -173,6 +173,27 @@ def prefill_chunk(length: int, ctx: int, hq=DEFAULT_HQ, hkv=DEFAULT_HKV, d=DEFAU
                 (length,), (ctx + length,), hq, hkv, d, fa_page=fa_page, tags=tuple(tags))
 
 
+def prefills(q_lens: tuple[int, ...], ctx: tuple[int, ...] | None = None, hq=DEFAULT_HQ,
+             hkv=DEFAULT_HKV, d=DEFAULT_D, fa_page=DEFAULT_FA_PAGE, tags=()) -> Case:
+    """Several prefill rows in one step: row i has ``q_lens[i]`` new tokens over
+    ``ctx[i]`` cached ones (default 0: fresh prompts), causal."""
+    ctx = ctx or (0,) * len(q_lens)
+    if len(ctx) != len(q_lens):
+        raise ValueError("one context length per prefill row")
+    name = "+".join(f"{q}c{c}" if c else f"{q}" for q, c in zip(q_lens, ctx))
+    return Case(f"prefills-{name}" + _suffix(hq, hkv, d, fa_page), tuple(q_lens),
+                tuple(q + c for q, c in zip(q_lens, ctx)), hq, hkv, d, fa_page=fa_page,
+                tags=tuple(tags))
+
+
+def _multi() -> list[Case]:
+    """Steps of several prompts under the offline ``LLM``'s 16384-token budget: the seed
+    profile (``scripts/attention_share.py``, sixteenth session) found ION's attention in
+    such steps ~15% slower than FA3's, where one 8192-token prompt is 5% faster."""
+    return [prefills((7680, 7680, 1024)), prefills((6656, 7680, 2048), (1024, 0, 0)),
+            prefills((4096, 4096))]
+
+
 def _chunks() -> list[Case]:
     return [prefill_chunk(2048, 6144), prefill_chunk(4096, 4096)]
 
@@ -229,7 +250,7 @@ def _dedupe(cases: list[Case]) -> list[Case]:
     return list(seen.values())
 
 
-SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "full")
+SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "multi", "full")
 
 
 def suite(name: str) -> list[Case]:
@@ -245,8 +266,10 @@ def suite(name: str) -> list[Case]:
         return _chunks()
     if name == "steps":
         return _steps()
+    if name == "multi":
+        return _multi()
     if name == "full":
-        return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps())
+        return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps() + _multi())
     raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
