@@ -42,7 +42,7 @@ Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col 8 = ``W_Q
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +62,8 @@ __all__ = [
     "fresh_writeback_items",
     "plan",
     "plan_reuse_key",
+    "decode_units",
+    "repage",
     "pack_plan",
     "worst_case_items",
     "worst_case_groups",
@@ -782,6 +784,27 @@ def plan(
     )
 
 
+def _checked_lengths(query_start_loc, seq_lens):
+    """(q_len, seq_lens) as int64 vectors, or None for a batch ``plan`` would refuse."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    sl = np.asarray(seq_lens, dtype=np.int64)
+    if qsl.ndim != 1 or sl.ndim != 1 or qsl.shape[0] != sl.shape[0] + 1 or qsl[0] != 0:
+        return None
+    q = np.diff(qsl)
+    if q.size and (int(q.min()) < 0 or int(sl.min()) < 0
+                   or int(sl.max()) > np.iinfo(np.int32).max
+                   or bool(np.any((q > 0) & (sl > 0) & (sl < q)))):
+        return None
+    return q, sl
+
+
+def _one_token_units(sl: np.ndarray, page_size: int, fresh_kv: bool) -> np.ndarray:
+    """Pages (``fresh_kv``: KV units) the single q tile of a one-new-token row reads."""
+    if fresh_kv:  # kv_units(ctx = seq_len - 1, last new token 0)
+        return -(-(sl - 1) // page_size) + 1
+    return (sl - 1) // page_size + 1  # causal bound of the token at position seq_len - 1
+
+
 def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = 64,
                    fresh_kv: bool = False) -> bytes | None:
     """What ``plan`` reads of the batch, as bytes: two batches with equal keys get equal
@@ -795,23 +818,68 @@ def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = 64,
     reads, so in a run of decode steps the key changes only when some request crosses a
     page boundary: with 64-token pages and 32 requests, about 60% of steps plan nothing.
     Rows without new tokens or without KV are phantoms and count as 0."""
-    qsl = np.asarray(query_start_loc, dtype=np.int64)
-    sl = np.asarray(seq_lens, dtype=np.int64)
-    if (qsl.ndim != 1 or sl.ndim != 1 or qsl.shape[0] != sl.shape[0] + 1 or qsl[0] != 0
-            or page_size < 1):
+    if page_size < 1:
         return None
-    q = np.diff(qsl)
-    if q.size and (int(q.min()) < 0 or int(sl.min()) < 0
-                   or int(sl.max()) > np.iinfo(np.int32).max
-                   or bool(np.any((q > 0) & (sl > 0) & (sl < q)))):
+    qs = _checked_lengths(query_start_loc, seq_lens)
+    if qs is None:
+        return None
+    q, sl = qs
+    live = (q > 0) & (sl > 0)
+    v = np.where(live, np.where(q > 1, sl, _one_token_units(sl, page_size, fresh_kv)), 0)
+    return q.tobytes() + v.tobytes()
+
+
+def decode_units(query_start_loc, seq_lens, *, page_size: int = 64,
+                 fresh_kv: bool = False) -> tuple[bytes, np.ndarray] | None:
+    """For a decode-only batch (every request has 0 or 1 new tokens): the new-token counts
+    as bytes and the pages (``fresh_kv``: KV units) each request's tiles read (0 for rows
+    without work).  ``None`` for any other batch, or one ``plan`` would refuse.  The input
+    of ``repage``."""
+    if page_size < 1:
+        return None
+    qs = _checked_lengths(query_start_loc, seq_lens)
+    if qs is None:
+        return None
+    q, sl = qs
+    if q.size and int(q.max()) > 1:
         return None
     live = (q > 0) & (sl > 0)
-    if fresh_kv:  # kv_units(ctx = seq_len - 1, last new token 0)
-        units = -(-(sl - 1) // page_size) + 1
-    else:  # causal bound of the one token at position seq_len - 1
-        units = (sl - 1) // page_size + 1
-    v = np.where(live, np.where(q > 1, sl, units), 0)
-    return q.tobytes() + v.tobytes()
+    return q.tobytes(), np.where(live, _one_token_units(sl, page_size, fresh_kv), 0)
+
+
+def repage(base: Plan, n_units: np.ndarray, *, group_size: int, page_size: int = 64,
+           cost_model: CostModel | None = None) -> Plan:
+    """``base``, a plan of a decode-only batch (one q tile per request and KV head), with
+    every item's page range recomputed for ``n_units[b]`` pages (KV units) of its request:
+    split ``s`` of ``S`` reads ``[s * n // S, (s + 1) * n // S)``, as ``plan`` materializes
+    splits.  The items, their CTAs and order, split counts, workspace rows and combine
+    groups stay ``base``'s, so a run of decode steps can keep one balanced plan while its
+    requests grow (``plan`` itself then runs only when the batch or the lengths move
+    further).  Item and CTA costs are recomputed with ``cost_model`` (``group_size`` and
+    ``page_size`` as ``base`` was planned with).  Refuses (raises) a plan with more than
+    one token in a tile, or a request with fewer units than its splits."""
+    cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
+    w = base.work.copy()
+    if w.shape[0] == 0:
+        return base
+    if int(w[:, 3].max()) > 1 or int(w[:, 2].max()) > 0:
+        raise ValueError("repage needs a plan of a decode-only batch (one token a tile)")
+    n = np.asarray(n_units, dtype=np.int64)[w[:, 0]]
+    sidx, S = w[:, 6].astype(np.int64), w[:, 7].astype(np.int64)
+    if bool(np.any(n < S)):
+        raise ValueError("repage: a request has fewer pages than its plan has splits")
+    w[:, 4] = (sidx * n // S).astype(np.int32)
+    w[:, 5] = ((sidx + 1) * n // S).astype(np.int32)
+    rows = np.where(w[:, W_QHEAD] >= 0, w[:, 3], w[:, 3] * next_pow2(group_size))
+    item_cost = np.asarray(cm.item_us(w[:, 5] - w[:, 4], rows, page_size, w[:, 7] > 1),
+                           dtype=np.float64)
+    num_ctas = base.num_ctas
+    cta = np.repeat(np.arange(num_ctas), np.diff(base.cta_offsets))
+    cta_cost = np.bincount(cta, weights=item_cost, minlength=num_ctas).astype(np.float64)
+    # the combine pass's share of the model depends on split counts and rows only: kept
+    comb_us = base.modeled_us - float(base.cta_cost.max(initial=0.0))
+    return replace(base, work=w, item_cost=item_cost, cta_cost=cta_cost,
+                   modeled_us=float(cta_cost.max(initial=0.0)) + comb_us)
 
 
 # --------------------------------------------------------------------------------------

@@ -127,6 +127,16 @@ FAULT_INJECT_ENV = "ION_FAULT_INJECT"
 #: under FLASH_ATTN between vLLM's input kernels and the forward; bench/notes.md, sixteenth
 #: session).  ``0``: plan every step (the A/B baseline).
 PLAN_REUSE_ENV = "ION_PLAN_REUSE"
+#: ``ION_PLAN_REPAGE`` (default 0 until measured on the H200; needs plan reuse): a decode-only
+#: step whose requests are those of the last planned decode-only step, each within
+#: ``REPAGE_MAX_DRIFT`` pages of the lengths that plan was made for, runs that plan with its
+#: page ranges recomputed (``planner.repage``) instead of a new plan: the same items, CTAs and
+#: splits, each request's split ranges cut from its current length.  Unlike plain reuse this
+#: runs plans ``plan`` would not have made (still exact attention: every range is covered
+#: once), so it waits for its GPU tests and sweep before it can be the default.
+PLAN_REPAGE_ENV = "ION_PLAN_REPAGE"
+#: pages (KV units) a request may grow past the plan a repaged step reuses
+REPAGE_MAX_DRIFT = 2
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
 
 _HOPPER_SMS_DEFAULT = 132  # H100/H200 SXM; only used when the builder's device is not CUDA
@@ -235,6 +245,10 @@ def pin_pv_wait() -> bool:
 
 def plan_reuse() -> bool:
     return _switch(PLAN_REUSE_ENV, "plan reuse across steps", default="1")
+
+
+def plan_repage() -> bool:
+    return _switch(PLAN_REPAGE_ENV, "repaged decode plans")
 
 
 def lane_combine() -> bool:
@@ -405,6 +419,13 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         #: tile_m -> (plan_reuse_key, host plan) of the last step planned at that tile size
         self.reuse_plans = plan_reuse()
         self._last_plans: dict[int, tuple[bytes, Any]] = {}
+        #: repaged decode plans (ION_PLAN_REPAGE): the base, (new-token counts, units, plan)
+        self.repage_plans = self.reuse_plans and plan_repage()
+        if plan_repage() and not self.reuse_plans:
+            logger.info("ION: %s=1 needs plan reuse (%s=0): off", PLAN_REPAGE_ENV,
+                        PLAN_REUSE_ENV)
+        self._repage_base: tuple[bytes, np.ndarray, Any] | None = None
+        self.plans_repaged = 0
         #: steps planned / steps that reused the previous plan (diagnostics, tests)
         self.plans_made = 0
         self.plans_reused = 0
@@ -566,11 +587,39 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             if key is not None and last is not None and last[0] == key:
                 self.plans_reused += 1
                 return last[1]
+        dec = None
+        if self.repage_plans and tile_m == Q_TILE_ROWS:
+            dec = _planner().decode_units(query_start_loc, seq_lens, page_size=self.page_size,
+                                          fresh_kv=self.fresh_kv)
+            host_plan = self._repaged(dec)
+            if host_plan is not None:
+                self.plans_repaged += 1
+                self._last_plans[tile_m] = (key, host_plan)
+                return host_plan
         host_plan = self.run_planner(query_start_loc, seq_lens, tile_m)
         self.plans_made += 1
         if key is not None:
             self._last_plans[tile_m] = (key, host_plan)
+        if dec is not None:
+            self._repage_base = (dec[0], dec[1], host_plan)
         return host_plan
+
+    def _repaged(self, dec) -> Any:
+        """The repage base plan cut for this decode-only step (``dec``: its
+        ``planner.decode_units``), or None when the step's requests are not the base's or
+        have moved more than ``REPAGE_MAX_DRIFT`` pages from it."""
+        base = self._repage_base
+        if dec is None or base is None or dec[0] != base[0]:
+            return None
+        units = dec[1]
+        if units.shape != base[1].shape or int(np.abs(units - base[1]).max(initial=0)) > (
+                REPAGE_MAX_DRIFT):
+            return None
+        try:
+            return _planner().repage(base[2], units, group_size=self.group_size,
+                                     page_size=self.page_size)
+        except ValueError:  # fewer pages than splits: plan it
+            return None
 
     # ------------------------------------------------------------------ build
     def build(

@@ -57,7 +57,7 @@ pytest_files=${KVAL_PYTEST_FILES:-"tests/test_batch_invariance_gpu.py
      tests/test_two_consumers_gpu.py tests/test_kv_append.py tests/test_row_combine_gpu.py
      tests/test_page128_gpu.py tests/test_lazy_rescale_gpu.py tests/test_pdl_combine_gpu.py
      tests/test_lane_combine_gpu.py tests/test_kv_pair_gpu.py tests/test_kv_stages_gpu.py
-     tests/test_pingpong_gpu.py tests/test_pin_pv_wait_gpu.py"}
+     tests/test_pingpong_gpu.py tests/test_pin_pv_wait_gpu.py tests/test_plan_repage_gpu.py"}
 # KVAL_PYTEST_SHARDS=N runs pytest-gpu as N pytest processes side by side
 # (scripts/pytest_gpu_shards.sh; logs $out/pytest-gpu-shard.<i>.log)
 if [ "${KVAL_PYTEST_SHARDS:-1}" -gt 1 ]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Host time of ION's metadata build per engine step, with and without plan reuse
-(``ION_PLAN_REUSE``), on the decode phase of the seed workload's shape.
+"""Host time of ION's metadata build per engine step, planning every step, with
+plan reuse (``ION_PLAN_REUSE``) and with repaged decode plans as well (``ION_PLAN_REPAGE``),
+on the decode phase of the seed workload's shape.
 
 The sixteenth session's profile of seed (``scripts/attention_share.py``) found the GPU
 idle for 224 us a step under ION (15 us under FLASH_ATTN) between vLLM's input kernels
@@ -10,7 +11,7 @@ planner, its tile-size choice and the plan upload into the persistent buffers) o
 with the Qwen2.5-7B attention shape (28 q / 4 KV heads, d 128, 64-token pages, fused
 writeback, the default options) over ``--steps`` decode steps of ``--requests`` requests
 whose lengths start spread over ``--start``..``--start + 64`` and grow one token a step,
-alternating the two settings ``--repeats`` times:
+alternating the three settings ``--repeats`` times:
 
     python scripts/plan_reuse_cost.py --out bench/results/2026-12-03-cpu/plan-reuse.json
 
@@ -46,14 +47,17 @@ def _setup() -> str:
     return d
 
 
-def make_builder(model_dir: str, requests: int, reuse: bool):
+SETTINGS = {"plan": ("0", "0"), "reuse": ("1", "0"), "repage": ("1", "1")}
+
+
+def make_builder(model_dir: str, requests: int, setting: str):
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from ion_vllm.backend import PLAN_REUSE_ENV, IonAttentionMetadataBuilder
+    from ion_vllm.backend import PLAN_REPAGE_ENV, PLAN_REUSE_ENV, IonAttentionMetadataBuilder
 
-    os.environ[PLAN_REUSE_ENV] = "1" if reuse else "0"
+    os.environ[PLAN_REUSE_ENV], os.environ[PLAN_REPAGE_ENV] = SETTINGS[setting]
     cfg = EngineArgs(model=model_dir, attention_backend="ION", skip_tokenizer_init=True,
                      load_format="dummy", max_num_seqs=requests,
                      max_model_len=16384).create_engine_config()
@@ -96,32 +100,34 @@ def main(argv=None) -> int:
     model_dir = _setup()
     res = {"requests": args.requests, "steps": args.steps, "start": args.start, "runs": []}
     for r in range(args.repeats):
-        for reuse in (False, True):
-            b = make_builder(model_dir, args.requests, reuse)
+        for setting in SETTINGS:
+            b = make_builder(model_dir, args.requests, setting)
             run(b, args.requests, 8, args.start - 64)  # warm-up (first plans, imports)
-            b.plans_made = b.plans_reused = 0
+            b.plans_made = b.plans_reused = b.plans_repaged = 0
             t = run(b, args.requests, args.steps, args.start)
-            res["runs"].append({"repeat": r, "reuse": reuse,
+            res["runs"].append({"repeat": r, "setting": setting,
                                 "mean_us": 1e6 * statistics.fmean(t),
                                 "median_us": 1e6 * statistics.median(t),
-                                "plans_made": b.plans_made, "plans_reused": b.plans_reused})
-    for reuse in (False, True):
-        rs = [x for x in res["runs"] if x["reuse"] == reuse]
-        res["reuse" if reuse else "no_reuse"] = {
-            "mean_us": statistics.fmean(x["mean_us"] for x in rs),
-            "reused_share": statistics.fmean(
-                x["plans_reused"] / max(1, x["plans_made"] + x["plans_reused"]) for x in rs)}
-    res["mean_ratio"] = res["reuse"]["mean_us"] / res["no_reuse"]["mean_us"]
+                                "plans_made": b.plans_made, "plans_reused": b.plans_reused,
+                                "plans_repaged": b.plans_repaged})
+    for setting in SETTINGS:
+        rs = [x for x in res["runs"] if x["setting"] == setting]
+        res[setting] = {"mean_us": statistics.fmean(x["mean_us"] for x in rs),
+                        "planned_share": statistics.fmean(
+                            x["plans_made"] / max(1, x["plans_made"] + x["plans_reused"]
+                                                  + x["plans_repaged"]) for x in rs)}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    print(f"{'setting':<10}{'mean us':>10}{'median us':>11}{'made':>7}{'reused':>8}")
+    print(f"{'setting':<10}{'mean us':>10}{'median us':>11}{'made':>7}{'reused':>8}"
+          f"{'repaged':>9}")
     for x in res["runs"]:
-        print(f"{'reuse' if x['reuse'] else 'plan':<10}{x['mean_us']:10.1f}"
-              f"{x['median_us']:11.1f}{x['plans_made']:7d}{x['plans_reused']:8d}")
-    print(f"mean build time with reuse / without: {res['mean_ratio']:.3f}; steps reusing a "
-          f"plan: {res['reuse']['reused_share']:.1%}")
+        print(f"{x['setting']:<10}{x['mean_us']:10.1f}{x['median_us']:11.1f}"
+              f"{x['plans_made']:7d}{x['plans_reused']:8d}{x['plans_repaged']:9d}")
+    for setting in SETTINGS:
+        print(f"{setting}: mean {res[setting]['mean_us']:.1f} us a step, "
+              f"{res[setting]['planned_share']:.1%} of steps planned")
     return 0
 
 

@@ -851,3 +851,40 @@ def test_builder_reuses_the_plan_of_an_equal_key(make_config, monkeypatch):
     for sl in ([100, 200, 300, 70], [101, 201, 301, 71]):
         b2.build(0, common_metadata(q, sl, bt))
     assert (b2.plans_made, b2.plans_reused) == (2, 0)
+
+
+def test_builder_repages_decode_plans_within_the_drift(make_config, monkeypatch):
+    """ION_PLAN_REPAGE=1: decode-only steps of the base plan's requests, each within
+    REPAGE_MAX_DRIFT pages of it, run the base plan recut for their lengths; beyond that, or
+    with another batch, the planner runs.  The device buffers hold each step's plan."""
+    from ion_vllm.backend import REPAGE_MAX_DRIFT
+
+    monkeypatch.setenv("ION_PLAN_REPAGE", "1")
+    cfg = make_config("--max-num-seqs", "8")
+    builder = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert builder.repage_plans
+    bt = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    q = [1, 1, 1, 1]
+
+    def step(seq_lens, q_lens=q):
+        md = builder.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
+        work = md.plan.work[: md.plan.num_items]
+        np.testing.assert_array_equal(work.numpy(), md.plan.host.work[:, : md.plan.work_cols])
+        coverage_from_work(work, q_lens, seq_lens)
+        return md.plan.host
+
+    base = step([100, 200, 300, 70])
+    assert (builder.plans_made, builder.plans_repaged) == (1, 0)
+    r1 = step([100 + 64, 200 + 64, 300 + 64, 70 + 64])  # one page more each: recut
+    assert (builder.plans_made, builder.plans_repaged) == (1, 1)
+    np.testing.assert_array_equal(r1.cta_offsets, base.cta_offsets)
+    assert step([100 + 65, 200 + 65, 300 + 65, 70 + 65]) is r1  # same key: reused
+    grow = 64 * (REPAGE_MAX_DRIFT + 1)
+    step([100 + grow, 200, 300, 70])  # row 0 drifted too far: planned
+    assert builder.plans_made == 2
+    step([50, 60], q_lens=[1, 1])  # other requests: planned (a new base)
+    step([100, 200, 300, 70], q_lens=[1, 1, 0, 1])  # another new-token vector: planned
+    assert (builder.plans_made, builder.plans_repaged) == (4, 1)
+    monkeypatch.setenv("ION_PLAN_REUSE", "0")
+    assert not IonAttentionMetadataBuilder(kv_spec(), [], cfg,
+                                           torch.device("cpu")).repage_plans

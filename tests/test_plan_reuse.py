@@ -114,3 +114,79 @@ def test_refused_batches_have_no_key():
     assert P.plan_reuse_key(np.array([0, 5]), np.array([9, 9])) is None  # shapes
     assert P.plan_reuse_key(np.array([0, 1]), np.array([2 ** 31])) is None  # int32
     assert P.plan_reuse_key(np.array([0]), np.array([], dtype=np.int32)) is not None
+
+
+# ----------------------------------------------------------------------------- repage
+def _decode_batch(rng, n):
+    q = [int(x) for x in rng.choice([0, 1, 1, 1, 1], size=n)]
+    s = [int(rng.integers(1, 20000)) if x else int(rng.integers(0, 300)) for x in q]
+    return q, s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repage_is_an_exact_plan_of_the_new_lengths(seed):
+    """Every request moved up to 2 pages either way: the repaged plan passes the planner's
+    full checker for the new lengths (exact page coverage, contiguous splits, workspace,
+    combine list, costs, CTA order), with base's items, CTAs and groups."""
+    from test_planner import check_plan
+
+    rng = np.random.default_rng(seed)
+    kw = dict(num_kv_heads=3, group_size=4, page_size=64, num_ctas=int(rng.integers(8, 300)))
+    q, s = _decode_batch(rng, int(rng.integers(1, 48)))
+    base = P.plan(_qsl(q), np.array(s), **kw)
+    moved = 0
+    for _ in range(20):
+        s2 = [L if not ql else max(1, L + int(rng.integers(-128, 129))) for ql, L in zip(q, s)]
+        dec = P.decode_units(_qsl(q), np.array(s2), page_size=64)
+        assert dec is not None and dec[0] == np.array(q, np.int64).tobytes()
+        splits = np.zeros(len(q), np.int64)
+        np.maximum.at(splits, base.work[:, 0], base.work[:, 7])
+        if np.any(dec[1] < splits):
+            with pytest.raises(ValueError):
+                P.repage(base, dec[1], group_size=4, page_size=64)
+            continue
+        r = P.repage(base, dec[1], group_size=4, page_size=64)
+        check_plan(r, _qsl(q), np.array(s2), **kw)
+        np.testing.assert_array_equal(r.cta_offsets, base.cta_offsets)
+        np.testing.assert_array_equal(r.combine, base.combine)
+        np.testing.assert_array_equal(r.partial_offsets, base.partial_offsets)
+        np.testing.assert_array_equal(r.work[:, [0, 1, 2, 3, 6, 7, 8]],
+                                      base.work[:, [0, 1, 2, 3, 6, 7, 8]])
+        moved += not np.array_equal(r.work, base.work)
+    assert moved >= 5
+
+
+def test_repage_fused_units_cover_each_tile_once():
+    rng = np.random.default_rng(7)
+    q, s = _decode_batch(rng, 40)
+    kw = dict(num_kv_heads=4, group_size=7, page_size=64, fresh_kv=True, num_ctas=264)
+    base = P.plan(_qsl(q), np.array(s), **kw)
+    s2 = [L + 130 if ql else L for ql, L in zip(q, s)]  # every row 2-3 units longer
+    dec = P.decode_units(_qsl(q), np.array(s2), page_size=64, fresh_kv=True)
+    r = P.repage(base, dec[1], group_size=7, page_size=64)
+    for (b, h), items in _by_tile(r.work).items():
+        items.sort()
+        assert items[0][0] == 0 and items[-1][1] == dec[1][b]
+        assert all(a[1] == c[0] for a, c in zip(items, items[1:]))
+        assert all(a[0] < a[1] for a in items)
+    assert {(b, h) for b, h in _by_tile(r.work)} == {
+        (b, h) for b in range(len(q)) if q[b] and s2[b] for h in range(4)}
+
+
+def _by_tile(work):
+    out = {}
+    for row in work.tolist():
+        out.setdefault((row[0], row[1]), []).append((row[4], row[5]))
+    return out
+
+
+def test_repage_refuses_prefill_plans_and_decode_units_refuses_prefill_batches():
+    p = P.plan(_qsl([100, 1]), np.array([300, 70]), num_kv_heads=2, group_size=4)
+    with pytest.raises(ValueError):
+        P.repage(p, np.array([5, 2]), group_size=4)
+    assert P.decode_units(_qsl([100, 1]), np.array([300, 70])) is None
+    assert P.decode_units(np.array([0, 5]), np.array([3])) is None
+    q, u = P.decode_units(_qsl([1, 0, 1]), np.array([65, 9, 1]), page_size=64)
+    assert u.tolist() == [2, 0, 1]
+    q, u = P.decode_units(_qsl([1, 0, 1]), np.array([65, 9, 1]), page_size=64, fresh_kv=True)
+    assert u.tolist() == [2, 0, 1]  # ctx 64: one cache page + the fresh tile
