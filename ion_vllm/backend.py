@@ -576,8 +576,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
     def step_plan(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> Any:
         """This step's host plan: the last plan of the step's tile size when the batch has
-        the same ``plan_reuse_key`` (so ``run_planner`` would return an equal plan), else a
-        new one."""
+        the same ``plan_reuse_key`` (so ``run_planner`` would return an equal plan); under
+        ``ION_PLAN_REPAGE`` the last decode-only plan recut for a decode-only step of the
+        same requests (``_repaged``); else a new one."""
         tile_m = self.step_tile_m(query_start_loc, seq_lens)
         key = None
         if self.reuse_plans:
