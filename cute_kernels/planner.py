@@ -784,8 +784,11 @@ def plan(
     )
 
 
-def _checked_lengths(query_start_loc, seq_lens):
-    """(q_len, seq_lens) as int64 vectors, or None for a batch ``plan`` would refuse."""
+def _checked_lengths(query_start_loc, seq_lens, page_size: int):
+    """(q_len, seq_lens) as int64 vectors, or None for a batch (or page size) ``plan``
+    would refuse."""
+    if page_size < 1:
+        return None
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
     if qsl.ndim != 1 or sl.ndim != 1 or qsl.shape[0] != sl.shape[0] + 1 or qsl[0] != 0:
@@ -818,9 +821,7 @@ def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = 64,
     reads, so in a run of decode steps the key changes only when some request crosses a
     page boundary: with 64-token pages and 32 requests, about 60% of steps plan nothing.
     Rows without new tokens or without KV are phantoms and count as 0."""
-    if page_size < 1:
-        return None
-    qs = _checked_lengths(query_start_loc, seq_lens)
+    qs = _checked_lengths(query_start_loc, seq_lens, page_size)
     if qs is None:
         return None
     q, sl = qs
@@ -835,9 +836,7 @@ def decode_units(query_start_loc, seq_lens, *, page_size: int = 64,
     as bytes and the pages (``fresh_kv``: KV units) each request's tiles read (0 for rows
     without work).  ``None`` for any other batch, or one ``plan`` would refuse.  The input
     of ``repage``."""
-    if page_size < 1:
-        return None
-    qs = _checked_lengths(query_start_loc, seq_lens)
+    qs = _checked_lengths(query_start_loc, seq_lens, page_size)
     if qs is None:
         return None
     q, sl = qs

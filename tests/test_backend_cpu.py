@@ -804,6 +804,16 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+def build_checked(builder, bt, q_lens, seq_lens):
+    """One step through ``builder.build``: the device work list must equal the host plan's
+    and cover the batch exactly (``coverage_from_work``); returns the metadata."""
+    md = builder.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
+    work = md.plan.work[: md.plan.num_items]
+    np.testing.assert_array_equal(work.numpy(), md.plan.host.work[:, : md.plan.work_cols])
+    coverage_from_work(work, q_lens, seq_lens)
+    return md
+
+
 def test_builder_reuses_the_plan_of_an_equal_key(make_config, monkeypatch):
     """Decode steps whose rows stay inside their pages reuse the last plan and skip the
     upload; a row crossing a page, another batch in between, or ION_PLAN_REUSE=0 plan again,
@@ -815,11 +825,7 @@ def test_builder_reuses_the_plan_of_an_equal_key(make_config, monkeypatch):
     q = [1, 1, 1, 1]
 
     def step(seq_lens, q_lens=q):
-        md = builder.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
-        work = md.plan.work[: md.plan.num_items]
-        np.testing.assert_array_equal(work.numpy(), md.plan.host.work[:, : md.plan.work_cols])
-        coverage_from_work(work, q_lens, seq_lens)
-        return md
+        return build_checked(builder, bt, q_lens, seq_lens)
 
     # md.plan is the builder's one DevicePlan: keep each step's host plan object
     h1 = step([100, 200, 300, 70]).plan.host
@@ -867,11 +873,7 @@ def test_builder_repages_decode_plans_within_the_drift(make_config, monkeypatch)
     q = [1, 1, 1, 1]
 
     def step(seq_lens, q_lens=q):
-        md = builder.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
-        work = md.plan.work[: md.plan.num_items]
-        np.testing.assert_array_equal(work.numpy(), md.plan.host.work[:, : md.plan.work_cols])
-        coverage_from_work(work, q_lens, seq_lens)
-        return md.plan.host
+        return build_checked(builder, bt, q_lens, seq_lens).plan.host
 
     base = step([100, 200, 300, 70])
     assert (builder.plans_made, builder.plans_repaged) == (1, 0)
