@@ -164,7 +164,23 @@ def attn_regex(backend: str, overrides: dict[str, str] | None = None) -> str:
         return overrides[backend]
     if "*" in overrides:
         return overrides["*"]
-    return ATTN_PATTERNS.get(backend.upper(), GENERIC_ATTN)
+    return ATTN_PATTERNS.get(vllm_backend(backend).upper(), GENERIC_ATTN)
+
+
+def vllm_backend(label: str) -> str:
+    """The ``--attention-backend`` of a label: ``ION+noreuse`` and the other ION variants
+    of ``ion_vllm.bench.e2e.ION_VARIANTS`` run ION (with their environment), anything
+    else is a vLLM backend name."""
+    from ion_vllm.bench.e2e import resolve_backend
+
+    return resolve_backend(label)[0]
+
+
+def label_env(label: str) -> dict[str, str]:
+    """The environment a label's engine runs with (empty for a plain backend name)."""
+    from ion_vllm.bench.e2e import resolve_backend
+
+    return resolve_backend(label)[1]
 
 
 def classify(name: str, attn_pattern: str) -> str:
@@ -326,7 +342,8 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
 def engine_kwargs(cfg: dict, trace_dir: str) -> dict:
     """Keyword arguments for ``vllm.LLM`` (also valid for ``vllm.engine.arg_utils.EngineArgs``)."""
     from vllm.config.profiler import ProfilerConfig
-    kw = dict(model=cfg["model"], load_format="dummy", attention_backend=cfg["backend"],
+    kw = dict(model=cfg["model"], load_format="dummy",
+              attention_backend=vllm_backend(cfg["backend"]),
               seed=cfg["seed"], max_model_len=cfg["input_len"] + cfg["output_len"],
               max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["enforce_eager"],
               gpu_memory_utilization=cfg["gpu_memory_utilization"],
@@ -395,7 +412,8 @@ def run_backend(args, backend: str, trace_dir: str) -> dict:
     cfg = backend_cfg(args, backend, trace_dir)
     res_file = os.path.join(trace_dir, "child_result.json")
     os.makedirs(trace_dir, exist_ok=True)
-    proc = subprocess.run(child_argv(cfg, res_file), timeout=args.timeout)
+    proc = subprocess.run(child_argv(cfg, res_file), timeout=args.timeout,
+                          env={**os.environ, **label_env(backend)})
     if proc.returncode != 0 or not os.path.exists(res_file):
         raise RuntimeError(f"{backend} child exited with {proc.returncode}")
     with open(res_file) as f:
@@ -420,7 +438,7 @@ def run_backends_colocated(args, backends: list[str], trace_dirs: dict[str, str]
             os.makedirs(trace_dirs[b], exist_ok=True)
             kids.append(GatedChild(b, child_argv(cfg, os.path.join(trace_dirs[b],
                                                                    "child_result.json")),
-                                   engine_env(gate, b)))
+                                   engine_env(gate, b, {**os.environ, **label_env(b)})))
         run_gated(kids, gate)
 
 
@@ -428,7 +446,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model dir (e.g. from scripts/make_demo_model.py)")
-    p.add_argument("--backends", default="ION,FLASH_ATTN")
+    p.add_argument("--backends", default="ION,FLASH_ATTN",
+                   help="vLLM backends or ION variant labels (ION+noreuse, ION+repage, ...: "
+                        "ion_vllm.bench.e2e.ION_VARIANTS), comma-separated")
     p.add_argument("--baseline", default="FLASH_ATTN", help="backend the prediction is against")
     p.add_argument("--input-len", type=int, default=7680)
     p.add_argument("--output-len", type=int, default=512)

@@ -24,7 +24,8 @@
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
 #           then, once all are up, measure one at a time, repeats interleaved)
-#   share   scripts/attention_share.py on the seed workload (ION vs FLASH_ATTN)
+#   share   scripts/attention_share.py on the seed workload (SHARE_BACKENDS, default ION vs
+#           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each)
 #   agree   scripts/e2e_agreement.py on the tiny real-weight model (ION, TRITON_ATTN against
 #           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
 #           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
@@ -154,6 +155,7 @@ if want kvtier; then
 fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \
+    --backends "${SHARE_BACKENDS:-ION,FLASH_ATTN}" --kv-cache-gib "${SHARE_KV_GIB:-30}" \
     --out "$out/share"
 fi
 if want agree; then

@@ -85,6 +85,24 @@ def test_backend_patterns_are_specific_and_overridable():
         A.pattern_overrides(["ION=("])
 
 
+def test_ion_variant_labels_run_ion_with_their_environment():
+    # ION+noreuse is ION under ION_PLAN_REUSE=0: ION's kernels are its attention, FA's are
+    # not, and the engine gets ION as --attention-backend; plain names pass through.
+    fa, ion = next(iter(FA_KERNELS)), next(iter(ION_KERNELS))
+    for label, env in (("ION+noreuse", {"ION_PLAN_REUSE": "0"}),
+                       ("ION+repage", {"ION_PLAN_REPAGE": "1"})):
+        assert A.vllm_backend(label) == "ION"
+        assert A.label_env(label) == env
+        assert A.classify(ion, A.attn_regex(label)) == "attention"
+        assert A.classify(fa, A.attn_regex(label)) == "other"
+    assert A.vllm_backend("FLASH_ATTN") == "FLASH_ATTN" and A.label_env("FLASH_ATTN") == {}
+    assert A.vllm_backend("ION") == "ION" and A.label_env("ION") == {}
+    pytest.importorskip("vllm")
+    cfg = dict(model="/m", backend="ION+noreuse", seed=0, input_len=8, output_len=4,
+               max_num_seqs=2, enforce_eager=True, gpu_memory_utilization=0.5)
+    assert A.engine_kwargs(cfg, "/tmp/t")["attention_backend"] == "ION"
+
+
 def _write_trace(path, kernels, wrap=True):
     """kernels: list of (name, dur). Adds non-kernel events that must be ignored."""
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9999},
