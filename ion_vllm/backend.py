@@ -135,6 +135,10 @@ PLAN_REUSE_ENV = "ION_PLAN_REUSE"
 #: runs plans ``plan`` would not have made (still exact attention: every range is covered
 #: once), so it waits for its GPU tests and sweep before it can be the default.
 PLAN_REPAGE_ENV = "ION_PLAN_REPAGE"
+#: ``ION_PLAN_STATS_EVERY=N`` (default 0: off): every N steps the metadata builder logs how
+#: many steps ran each q-tile size and how their plans were made (planned, reused,
+#: repaged): which kernels a served workload really runs, without a profiler
+PLAN_STATS_ENV = "ION_PLAN_STATS_EVERY"
 #: pages (KV units) a request may grow past the plan a repaged step reuses
 REPAGE_MAX_DRIFT = 2
 FAULT_SWAP_KV_PAGE = "swap_kv_page"
@@ -249,6 +253,17 @@ def plan_reuse() -> bool:
 
 def plan_repage() -> bool:
     return _switch(PLAN_REPAGE_ENV, "repaged decode plans")
+
+
+def plan_stats_every() -> int:
+    v = os.environ.get(PLAN_STATS_ENV, "0").strip() or "0"
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{PLAN_STATS_ENV}={v!r}: use a step count >= 1, or 0 (off)")
+    return n
 
 
 def lane_combine() -> bool:
@@ -429,6 +444,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         #: steps planned / steps that reused the previous plan (diagnostics, tests)
         self.plans_made = 0
         self.plans_reused = 0
+        #: steps by q-tile rows (64 / 128 / 192), logged every ``plan_stats_every`` steps
+        self.steps_by_tile_m: dict[int, int] = {}
+        self.plan_stats_every = plan_stats_every()
         self.item_capacity = self.plan.item_capacity
         self.group_capacity = self.plan.group_capacity
         #: tile_m=128 plans: their own buffers (one CTA per SM, so another CTA count)
@@ -605,6 +623,15 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             self._repage_base = (dec[0], dec[1], host_plan)
         return host_plan
 
+    def _count_step(self, tile_m: int) -> None:
+        self.steps_by_tile_m[tile_m] = self.steps_by_tile_m.get(tile_m, 0) + 1
+        n = self.plan_stats_every
+        if n and sum(self.steps_by_tile_m.values()) % n == 0:
+            logger.info("ION: %d steps by q-tile rows %s; plans made %d, reused %d, "
+                        "repaged %d", sum(self.steps_by_tile_m.values()),
+                        dict(sorted(self.steps_by_tile_m.items())), self.plans_made,
+                        self.plans_reused, self.plans_repaged)
+
     def _repaged(self, dec) -> Any:
         """The repage base plan cut for this decode-only step (``dec``: its
         ``planner.decode_units``), or None when the step's requests are not the base's or
@@ -635,6 +662,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             common.query_start_loc_cpu[: num_reqs + 1].numpy(), dtype=np.int32)
         sl_host = self.host_seq_lens(common)
         host_plan = self.step_plan(qsl_host, sl_host)
+        self._count_step(getattr(host_plan, "tile_m", Q_TILE_ROWS))
         return IonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=num_reqs,

@@ -129,6 +129,42 @@ def attention_calls_by_length(kernels: list[tuple[str, float]], attn_pattern: st
     return out
 
 
+def _dims(v) -> str:
+    """A launch dimension from a trace event's args (``[512, 1, 1]``) as ``512`` /
+    ``132x2``: trailing 1s dropped."""
+    if not isinstance(v, (list, tuple)) or not v:
+        return "?"
+    dims = [int(x) for x in v]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return "x".join(str(x) for x in dims)
+
+
+def attention_launches(trace: dict, attn_pattern: str, long_us: float = 400.0) -> list[dict]:
+    """The attention kernels' calls grouped by kernel and launch shape (the trace's
+    ``args.block`` / ``args.grid``), split at ``long_us`` as ``attention_calls_by_length``.
+    CuTeDSL names every IonAttention variant alike, so the block size is what tells the
+    64-, 128- and 192-row kernels apart (256, 384 and 512 threads).  Rows: ``kernel``
+    (the first 60 characters), ``block``, ``grid``, then ``short``/``long`` counts and us,
+    by total time."""
+    acc: dict[tuple[str, str, str], dict] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("cat") != "kernel" or ev.get("ph", "X") != "X" or "dur" not in ev:
+            continue
+        name, dur = str(ev.get("name", "")), float(ev["dur"])
+        if not re.search(attn_pattern, name):
+            continue
+        args = ev.get("args") or {}
+        key = (name[:60], _dims(args.get("block")), _dims(args.get("grid")))
+        row = acc.setdefault(key, {"kernel": key[0], "block": key[1], "grid": key[2],
+                                   "short_count": 0, "short_us": 0.0,
+                                   "long_count": 0, "long_us": 0.0})
+        cls = "long" if dur >= long_us else "short"
+        row[f"{cls}_count"] += 1
+        row[f"{cls}_us"] += dur
+    return sorted(acc.values(), key=lambda r: -(r["short_us"] + r["long_us"]))
+
+
 def busy_stats(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> dict:
     """How busy the GPU was over the profiled span: ``span_us`` (first kernel start to last
     kernel end), ``busy_us`` (the union of the kernel intervals, so overlapping kernels on
@@ -246,6 +282,8 @@ def analyze_backend(backend: str, trace_dir: str, overrides=None) -> dict:
     res["busy"] = busy_stats(kernel_intervals(traces[0]))
     res["gaps"] = gap_attribution(kernel_spans(traces[0]), res["attn_pattern"])
     res["attention_calls"] = attention_calls_by_length(kernels, res["attn_pattern"])
+    res["attention_launches"] = [r for t in traces
+                                 for r in attention_launches(t, res["attn_pattern"])]
     res["traces"] = [os.path.relpath(p, trace_dir) for p in paths]
     return res
 
@@ -316,6 +354,16 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
             mean = lambda x: f"{x['us'] / x['count']:.1f}" if x["count"] else "-"  # noqa: E731
             lines.append(f"| {n} | {sh['count']} | {ms(sh['us'])} | {mean(sh)} | {lo['count']} "
                          f"| {ms(lo['us'])} | {mean(lo)} |")
+    for name, r in results.items():
+        if r.get("attention_launches"):
+            lines += ["", f"{name}: attention launches by kernel and shape (calls split at "
+                      "0.4 ms as above):", "", "| kernel | block | grid | short calls "
+                      "| short ms | long calls | long ms | long mean us |",
+                      "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| `{a['kernel']}` | {a['block']} | {a['grid']} | {a['short_count']} "
+                      f"| {ms(a['short_us'])} | {a['long_count']} | {ms(a['long_us'])} | "
+                      + (f"{a['long_us'] / a['long_count']:.1f} |" if a["long_count"] else "- |")
+                      for a in r["attention_launches"]]
     for name, r in results.items():
         if r.get("gaps"):
             lines += ["", f"{name}: idle time by the kernels around each gap "

@@ -344,3 +344,32 @@ def test_colocated_backend_without_a_result_is_reported(tmp_path, monkeypatch):
     data = json.loads((out / "attention_share.json").read_text())
     assert rc == 1 and "error" in data["results"]["FLASH_ATTN"]
     assert data["results"]["ION"]["timed_wall_s"] == 80.0
+
+
+def test_attention_launches_tell_the_tile_sizes_apart_by_block():
+    # one IonAttention name, three launch shapes (64-, 128- and 192-row kernels); calls of
+    # 0.4 ms or more count as long; other kernels and non-kernel events are ignored
+    ion = next(n for n in ION_KERNELS if "IonAttentionSm90" in n)
+    ev = lambda name, dur, block, grid: {  # noqa: E731
+        "ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur,
+        "args": {"block": block, "grid": grid}}
+    trace = {"traceEvents": [
+        ev(ion, 120.0, [256, 1, 1], [264, 1, 1]), ev(ion, 130.0, [256, 1, 1], [264, 1, 1]),
+        ev(ion, 900.0, [256, 1, 1], [264, 1, 1]),
+        ev(ion, 1000.0, [512, 1, 1], [132, 1, 1]), ev(ion, 1100.0, [512, 1, 1], [132, 1, 1]),
+        ev(ion, 450.0, [384, 1, 1], [132, 1, 1]),
+        ev("nvjet_tst_128x192", 999.0, [384, 1, 1], [132, 1, 1]),
+        {"ph": "X", "cat": "cpu_op", "name": ion, "ts": 0, "dur": 5000.0},
+        ev(ion, 50.0, None, [7, 2, 1]),
+    ]}
+    rows = A.attention_launches(trace, A.attn_regex("ION"))
+    by_block = {r["block"]: r for r in rows}
+    assert [r["block"] for r in rows] == ["512", "256", "384", "?"]  # by total time
+    assert by_block["512"]["long_count"] == 2 and by_block["512"]["long_us"] == 2100.0
+    assert by_block["512"]["short_count"] == 0 and by_block["512"]["grid"] == "132"
+    assert (by_block["256"]["short_count"], by_block["256"]["short_us"]) == (2, 250.0)
+    assert (by_block["256"]["long_count"], by_block["256"]["long_us"]) == (1, 900.0)
+    assert by_block["384"]["long_count"] == 1 and by_block["?"]["grid"] == "7x2"
+    md = A.render_markdown({"date": "d", "baseline": "FLASH_ATTN", "workload": {}},
+                           {"ION": {"attention_launches": rows}}, {})
+    assert "| 512 | 132 | 0 | 0.0 | 2 | 2.1 | 1050.0 |" in md

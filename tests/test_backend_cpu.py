@@ -609,6 +609,23 @@ def test_prefill_tile_m_192_per_step(cpu_platform, tmp_path, monkeypatch):
     assert tiles >= planner.M192_MIN_TILES_PER_CTA * b.num_ctas128
     assert b.build(0, common_metadata([1024], [1024], bt[:1])).plan is b.plan128
     assert b.build(0, common_metadata([1, 1], [700, 9], bt[:2])).plan is b.plan
+    # every step is counted by its tile size; ION_PLAN_STATS_EVERY=N logs the counts
+    assert b.steps_by_tile_m == {64: 1, 128: 1, 192: 1} and b.plan_stats_every == 0
+    monkeypatch.setenv(backend_mod.PLAN_STATS_ENV, "2")
+    logged = []
+    monkeypatch.setattr(backend_mod.logger, "info",
+                        lambda msg, *a, **kw: logged.append(msg % a))
+    s = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    for q_lens, seq_lens in (([8192], [8192]), ([1, 1], [700, 9]), ([1, 1], [701, 10])):
+        s.build(0, common_metadata(q_lens, seq_lens, bt[: len(q_lens)]))
+    stats = [m for m in logged if "steps by q-tile rows" in m]
+    assert stats == ["ION: 2 steps by q-tile rows {64: 1, 192: 1}; plans made 2, reused 0, "
+                     "repaged 0"]
+    for bad in ("-1", "x"):
+        monkeypatch.setenv(backend_mod.PLAN_STATS_ENV, bad)
+        with pytest.raises(ValueError, match=backend_mod.PLAN_STATS_ENV):
+            backend_mod.plan_stats_every()
+    monkeypatch.delenv(backend_mod.PLAN_STATS_ENV)
 
     monkeypatch.setenv(backend_mod.PREFILL_TILE_M_ENV, "128")
     only128 = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
