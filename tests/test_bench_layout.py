@@ -96,3 +96,25 @@ def test_rel_err():
     bad = a.clone()
     bad[0, 0, 0] = float("nan")
     assert kr.rel_err(bad, a) == float("inf")
+
+
+def test_fused_qkv_layout_gives_engine_strided_views_of_the_same_values():
+    # q / key / value of a "fused" case are views at the qkv projection's column offsets
+    # (row stride (hq + 2 hkv) * D), hold the separate case's values, and the kernels'
+    # TMA rules (unit last stride, 16-byte strides and base) hold
+    sep = ks.Case("lay", (1, 3, 2), (70, 20, 130), hq=4, hkv=2, d=64)
+    fus = ks.Case("lay", (1, 3, 2), (70, 20, 130), hq=4, hkv=2, d=64, qkv_layout="fused")
+    row = (4 + 2 * 2) * 64
+    for build in (kr.ion_cache, kr.fa_cache, kr.triton_cache):
+        q_s, q_f = build(sep, 0, "cpu")[0], build(fus, 0, "cpu")[0]
+        assert q_s.is_contiguous() and torch.equal(q_s, q_f)
+        assert q_f.stride() == (row, 64, 1) and not q_f.is_contiguous()
+        assert torch.empty_like(q_f).is_contiguous()  # outputs stay dense
+    k_s, v_s, slots_s = kr.new_token_rows(sep, 0, "cpu")
+    k_f, v_f, slots_f = kr.new_token_rows(fus, 0, "cpu")
+    assert torch.equal(k_s, k_f) and torch.equal(v_s, v_f) and torch.equal(slots_s, slots_f)
+    for t, col in ((k_f, 4), (v_f, 6)):
+        assert t.stride() == (row, 64, 1)
+        base = t.untyped_storage().data_ptr()
+        assert t.data_ptr() - base == col * 64 * t.element_size()
+        assert all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])

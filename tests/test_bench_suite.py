@@ -115,3 +115,47 @@ def test_multi_prefill_cases():
     assert {x.name for x in ks.suite("multi")} <= {x.name for x in ks.suite("full")}
     with pytest.raises(ValueError):
         ks.prefills((10, 20), (0,))
+
+
+def test_chunked_prefill_steps_follow_the_scheduler():
+    # 4 prompts of 100 tokens, 128-token budget, 3 seats: hand-traced
+    steps = ks.chunked_prefill_steps(4, 100, 128, 3)
+    assert steps == [
+        ((100, 28), (100, 28)),            # p1 whole, p2 starts
+        ((1, 72, 55), (101, 100, 55)),     # p1 decodes, p2 ends, p3 starts
+        ((1, 1, 45), (102, 101, 100)),     # p3 ends; no seat for p4
+    ]
+    # the seed profile: 32 x 7680 at 8192 a step; every step but the last is full, every
+    # prompt is prefilled exactly once, decodes are 1-token rows at prompt + generated
+    steps = ks.chunked_prefill_steps(32, 7680, 8192, 32)
+    assert len(steps) == 31
+    assert all(sum(q) == 8192 for q, _ in steps[:-1]) and sum(steps[-1][0]) < 8192
+    assert sum(x for q, _ in steps for x in q if x > 1) == 32 * 7680
+    for q, k in steps:
+        assert all(x <= y for x, y in zip(q, k))
+        ndec = sum(1 for x in q if x == 1)
+        assert list(q[:ndec]) == [1] * ndec and all(x > 1 for x in q[ndec:])
+        assert all(7680 < y <= 7680 + 30 for y in k[:ndec])
+    assert steps[2] == ((1, 1, 6657, 1533), (7682, 7681, 7680, 1533))
+    with pytest.raises(ValueError):
+        ks.chunked_prefill_steps(0, 10, 10, 1)
+
+
+def test_engine_suite_pairs_each_step_with_its_aligned_and_strided_twins():
+    cases = ks.suite("engine")
+    by = {c.name: c for c in cases}
+    base = [c for c in cases if not c.name.endswith(("-aligned", "-qkv"))]
+    assert len(base) == len(ks.ENGINE_SEED_STEPS)
+    for c in base:
+        assert c.qkv_layout == "separate"
+        # some prefill row continues at a context that is not a page multiple
+        assert any(q > 1 and (k - q) % ks.ION_PAGE for q, k in zip(c.q_lens, c.kv_lens))
+        a, s = by[c.name + "-aligned"], by[c.name + "-qkv"]
+        assert a.q_lens == c.q_lens and a.qkv_layout == "separate"
+        assert all((k - q) % ks.ION_PAGE == 0 for q, k in zip(a.q_lens, a.kv_lens) if q > 1)
+        assert all(0 <= k - ka < ks.ION_PAGE for k, ka in zip(c.kv_lens, a.kv_lens))
+        assert (s.q_lens, s.kv_lens, s.qkv_layout) == (c.q_lens, c.kv_lens, "fused")
+        assert s.to_dict()["qkv_layout"] == "fused"
+    assert {c.name for c in cases} <= {c.name for c in ks.suite("full")}
+    with pytest.raises(ValueError, match="qkv_layout"):
+        ks.Case("bad", (1,), (4,), qkv_layout="packed")

@@ -72,6 +72,31 @@ def logical_qkv(case: Case, rot: int, device):
     return out
 
 
+def qkv_views(case: Case, *, q=None, key=None, value=None):
+    """``q`` / ``key`` / ``value`` (``[T, H, D]``) as the engine hands them over when
+    ``case.qkv_layout == "fused"``: each copied into its columns of a ``[T, (hq + 2 hkv)
+    * D]`` buffer (q at 0, key at hq*D, value at (hq + hkv)*D, as a fused qkv projection
+    lays them out) and returned as a strided view of it; the same tensors otherwise.
+    Each input gets its own buffer: the strides, the base alignment and the bytes read are
+    the engine's; only q and K/V rows are not interleaved in one allocation.  Returns
+    the tuple of the given tensors, in q, key, value order."""
+    import torch
+    given = [(0, q), (case.hq, key), (case.hq + case.hkv, value)]
+    out = []
+    for col_heads, t in given:
+        if t is None:
+            continue
+        if case.qkv_layout != "fused":
+            out.append(t)
+            continue
+        T, H, D = t.shape
+        buf = torch.zeros((T, (case.hq + 2 * case.hkv) * D), dtype=t.dtype, device=t.device)
+        view = buf[:, col_heads * D:(col_heads + H) * D].view(T, H, D)
+        view.copy_(t)
+        out.append(view)
+    return tuple(out)
+
+
 def page_assignment(case: Case, page: int, rot: int):
     """Block table ``[B, max_pages]`` (int32, numpy) with the physical pages of each
     request drawn from a seeded permutation (a fragmented allocator), plus the
@@ -141,6 +166,7 @@ def ion_cache(case: Case, rot: int, device):
     to_t = torch.from_numpy(to).to(device)
     k[tp_t, :, to_t] = k_log
     v[tp_t, :, to_t] = v_log
+    q, = qkv_views(case, q=q)
     return q, k, v, torch.from_numpy(bt_np).to(device)
 
 
@@ -155,6 +181,7 @@ def fa_cache(case: Case, rot: int, device):
     slot = torch.from_numpy(tp * P + to).to(device)
     cache[0].view(n_pages * P, case.hkv, case.d)[slot] = k_log
     cache[1].view(n_pages * P, case.hkv, case.d)[slot] = v_log
+    q, = qkv_views(case, q=q)
     return q, cache[0], cache[1], torch.from_numpy(bt_np).to(device)
 
 
@@ -171,6 +198,7 @@ def triton_cache(case: Case, rot: int, device):
     flat[slot, :, :case.d] = k_log
     flat[slot, :, case.d:] = v_log
     kc, vc = cache.split(case.d, dim=-1)
+    q, = qkv_views(case, q=q)
     return q, kc, vc, torch.from_numpy(bt_np).to(device)
 
 
@@ -446,7 +474,8 @@ def new_token_rows(case: Case, rot: int, device, page: int | None = None):
     sel = np.asarray(idx, dtype=np.int64)
     slots = torch.from_numpy(tok_page[sel] * P + tok_off[sel]).to(device)
     i = torch.from_numpy(sel).to(device)
-    return k_log[i].contiguous(), v_log[i].contiguous(), slots
+    key, value = qkv_views(case, key=k_log[i].contiguous(), value=v_log[i].contiguous())
+    return key, value, slots
 
 
 def prepare_ion_auto_append(case: Case, rot: int, device, shared: dict) -> Prepared:

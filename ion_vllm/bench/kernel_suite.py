@@ -22,6 +22,7 @@ DEFAULT_FA_PAGE = 16
 ION_PAGE = 64
 SKEW_SEED = 1234
 SKEW_RANGE = (512, 16384)
+QKV_LAYOUTS = ("separate", "fused")
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,16 @@ class Case:
     fa_page: int = DEFAULT_FA_PAGE
     ion_page: int = ION_PAGE
     tags: tuple[str, ...] = field(default_factory=tuple)
+    #: "separate": q, key and value are dense tensors of their own; "fused": each is a
+    #: strided view of a ``[T, (hq + 2 hkv) * d]`` qkv projection output, at the column
+    #: offsets vLLM's attention layers hand the backend (q at 0, key at hq*d, value at
+    #: (hq + hkv)*d), so row strides and base alignment are the engine's
+    qkv_layout: str = "separate"
 
     def __post_init__(self):
+        if self.qkv_layout not in QKV_LAYOUTS:
+            raise ValueError(f"{self.name}: qkv_layout must be one of {QKV_LAYOUTS}, "
+                             f"got {self.qkv_layout!r}")
         if len(self.q_lens) != len(self.kv_lens) or not self.q_lens:
             raise ValueError(f"{self.name}: q_lens/kv_lens must be non-empty, equal length")
         for q, k in zip(self.q_lens, self.kv_lens):
@@ -100,6 +109,7 @@ class Case:
             "dtype": self.dtype,
             "fa_page": self.fa_page,
             "ion_page": self.ion_page,
+            "qkv_layout": self.qkv_layout,
         }
 
 
@@ -194,6 +204,77 @@ def _multi() -> list[Case]:
             prefills((4096, 4096))]
 
 
+def chunked_prefill_steps(n_prompts: int, prompt_len: int, budget: int,
+                          max_seqs: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The steps vLLM's scheduler runs for ``n_prompts`` prompts of ``prompt_len`` tokens
+    that arrive together, under chunked prefill with a ``budget``-token step and at most
+    ``max_seqs`` running requests, for as long as steps carry prefill (pure; requests
+    generate past the last such step and are never preempted: the KV pool is assumed
+    large enough).  Each step serves the running
+    requests first, in admission order (a finished prompt decodes one token, a prompt in
+    progress takes the rest of its prompt up to the budget left), then admits waiting
+    prompts while budget and seats are left, each taking up to the budget left.  Rows are
+    returned decodes first (the order vLLM's input batch puts them in), as
+    ``(q_lens, kv_lens)`` with ``kv_len`` counting the step's new tokens."""
+    if min(n_prompts, prompt_len, budget, max_seqs) < 1:
+        raise ValueError("n_prompts, prompt_len, budget and max_seqs must be >= 1")
+    done = []      # computed tokens of each admitted request, admission order
+    steps = []
+    waiting = n_prompts
+    while waiting or any(c < prompt_len for c in done):
+        left, dec, pre = budget, [], []
+        for i, c in enumerate(done):
+            if left == 0:
+                break
+            n = 1 if c >= prompt_len else min(prompt_len - c, left)
+            (dec if c >= prompt_len else pre).append((n, c + n))
+            done[i] = c + n
+            left -= n
+        while waiting and left > 0 and len(done) < max_seqs:
+            n = min(prompt_len, left)
+            pre.append((n, n))
+            done.append(n)
+            waiting -= 1
+            left -= n
+        if not pre:  # every seat decodes and no request finishes here: no more prefill
+            break
+        rows = dec + pre
+        steps.append((tuple(q for q, _ in rows), tuple(k for _, k in rows)))
+    return steps
+
+
+#: the steps of the profiled offline seed run (32 prompts of 7680 tokens at once, serve's
+#: 8192-token budget) that suite ``engine`` times
+ENGINE_SEED_STEPS = (2, 9, 20, 29)
+
+
+def _engine() -> list[Case]:
+    """The prefill-carrying steps of the seventeenth session's profile, where ION's
+    192-row kernel averaged 1,099 us a call in the engine against FA3's 963, while the
+    kernel bench had it at FA3's speed on fresh-chunk steps.  Each step as the scheduler
+    makes it (``chunked_prefill_steps``: decodes at ~7.7k, a prompt continuing at a context
+    that is rarely a multiple of 64, a fresh prompt start), then the same step with that
+    context rounded down to a page (``-aligned``: the fused writeback never straddles a
+    page), then with the engine's strided q/key/value (``-qkv``): which of the two is the
+    engine's extra cost."""
+    steps = chunked_prefill_steps(32, 7680, 8192, 32)
+    cases = []
+    for i in ENGINE_SEED_STEPS:
+        q_lens, kv_lens = steps[i]
+        ndec = sum(1 for q in q_lens if q == 1)
+        name = f"engine-seed-s{i:02d}-{ndec}d+" + "+".join(
+            f"{q}c{k - q}" if k > q else f"{q}" for q, k in zip(q_lens, kv_lens) if q > 1)
+        cases.append(Case(name, q_lens, kv_lens))
+        # the same rows with every prefill's context rounded down to a page, new tokens
+        # unchanged (the attended pairs move by < 64 a query)
+        aligned_kv = tuple(k if q == 1 else q + (k - q) // ION_PAGE * ION_PAGE
+                           for q, k in zip(q_lens, kv_lens))
+        if aligned_kv != kv_lens:
+            cases.append(Case(name + "-aligned", q_lens, aligned_kv))
+        cases.append(Case(name + "-qkv", q_lens, kv_lens, qkv_layout="fused"))
+    return cases
+
+
 def _chunks() -> list[Case]:
     return [prefill_chunk(2048, 6144), prefill_chunk(4096, 4096)]
 
@@ -250,7 +331,7 @@ def _dedupe(cases: list[Case]) -> list[Case]:
     return list(seen.values())
 
 
-SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "multi", "full")
+SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "multi", "engine", "full")
 
 
 def suite(name: str) -> list[Case]:
@@ -268,8 +349,11 @@ def suite(name: str) -> list[Case]:
         return _steps()
     if name == "multi":
         return _multi()
+    if name == "engine":
+        return _engine()
     if name == "full":
-        return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps() + _multi())
+        return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps() + _multi()
+                       + _engine())
     raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
