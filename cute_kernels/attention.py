@@ -269,13 +269,14 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                       lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                      pingpong=None, pin_pv_wait=None):
+                      pingpong=None, pin_pv_wait=None, vec_straddle: bool = False):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
     ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
     variant (``consumers=2`` only); ``kv_stages``, ``pingpong``, ``pin_pv_wait``: as for
-    ``make_kernel``."""
+    ``make_kernel``; ``vec_straddle``: the fresh-tile rows that reach into the next page
+    are copied 16 bytes a lane instead of one element (an experiment until GPU-tested)."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
@@ -290,11 +291,12 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
                                 fresh_kv=True, unpacked_prefill=unpacked, consumers=c,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _multi_stages(variant, kv_pair, c),
-                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin).fused
+                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin,
+                                vec_straddle=vec_straddle).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale,
-                            pin_pv_wait=pin).fused
+                            pin_pv_wait=pin, vec_straddle=vec_straddle).fused
 
 
 def fused_fake_args(variant: Variant, unpacked: bool = False):
@@ -367,12 +369,13 @@ def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
                     lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                    pingpong=None, pin_pv_wait=None):
+                    pingpong=None, pin_pv_wait=None, vec_straddle: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
-                                              kv_pair, kv_stages, pingpong, pin_pv_wait),
+                                              kv_pair, kv_stages, pingpong, pin_pv_wait,
+                                              vec_straddle),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -420,7 +423,8 @@ class DevicePlan:
                  unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
-                 kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None):
+                 kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None,
+                 vec_straddle: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -444,6 +448,9 @@ class DevicePlan:
         #: steady-state PV wait pinned after the softmax (None: the default,
         #: ``PIN_PV_WAIT_DEFAULT``; see ``check_pin_pv_wait``)
         self.pin_pv_wait = check_pin_pv_wait(pin_pv_wait)
+        #: fused-writeback kernels whose straddle copy moves 16 bytes a lane (an
+        #: experiment: ``IonAttentionSm90(vec_straddle=True)``; plain kernels ignore it)
+        self.vec_straddle = bool(vec_straddle)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -544,7 +551,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
                      pin_pv_wait=None, refine_balance: bool = True,
-                     split_unpacked: bool = True) -> DevicePlan:
+                     split_unpacked: bool = True, vec_straddle: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -572,7 +579,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``refine_balance=False``: the planner without its final local search (``planner.plan``
     ``refine``), for A/B runs.
     ``split_unpacked=False``: unpacked items never split (planner ``split_unpacked``; the
-    planner before v18), for A/B runs."""
+    planner before v18), for A/B runs.
+    ``vec_straddle=True``: a fused call runs the kernels with the vectorized straddle copy
+    (an experiment until GPU-tested)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -594,7 +603,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
                     lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                    pingpong=pingpong, pin_pv_wait=pin_pv_wait)
+                    pingpong=pingpong, pin_pv_wait=pin_pv_wait, vec_straddle=vec_straddle)
     return dp.upload(p)
 
 
@@ -728,7 +737,9 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     pp = getattr(plan, "pingpong", None)
     pin = getattr(plan, "pin_pv_wait", None)
     if fused:
-        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin)(q, key, value, k_cache, v_cache, out, query_start_loc,
+        vs = bool(getattr(plan, "vec_straddle", False))
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin, vs)(
+                                 q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
@@ -751,7 +762,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
                kv_pair: bool = False, kv_stages=None, pingpong=None,
-               pin_pv_wait=None) -> None:
+               pin_pv_wait=None, vec_straddle: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -765,6 +776,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
     ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
     ``pin_pv_wait``: the kernels with / without the pinned PV wait (plans with it).
+    ``vec_straddle``: the fused kernels' vectorized straddle copy (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -781,6 +793,6 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         for u in (False, True) if unpacked else (False,):
             _compiled(variant, u, c, lz, pair, stages, pp, pin)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin)
+                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin, bool(vec_straddle))
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

@@ -139,7 +139,7 @@ class IonAttentionSm90:
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
                  fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
                  lazy_rescale: bool = False, kv_pair: bool = False, pingpong: bool = False,
-                 pin_pv_wait: bool = False):
+                 pin_pv_wait: bool = False, vec_straddle: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -178,6 +178,12 @@ class IonAttentionSm90:
         # units, fresh tiles are read from the step's new K/V and TMA-stored into the cache.
         # Compile-time: with False the generated code is the plain paged-attention kernel.
         self.fresh_kv = bool(fresh_kv)
+        # fresh_kv only: the straddle copy (the rows of a fresh tile that reach into the
+        # next page) moves 16 bytes a lane an iteration (8 elements of one row) instead
+        # of one element; with False the generated code is the element-wise copy.  D = 128
+        # only: at D = 64 the 40-register producer spills with the 128-bit copy, so those
+        # variants keep the element-wise one (tests/test_fused_writeback_cpu.py)
+        self.vec_straddle = bool(vec_straddle) and self.fresh_kv and head_dim == 128
         if self.fresh_kv:
             # the writeback producer keeps the unit / ownership state of an item live:
             # with 24 (or 32) registers ptxas spills it to local memory (D = 64 variants),
@@ -804,21 +810,15 @@ class IonAttentionSm90:
                                         self._store_tile(tma_ks, mKs_tma, sK, k_handle.index,
                                                          (P, D), 0, off, h, page1)
                                         if two:
-                                            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
-                                                r = i // D
-                                                c = i - r * D
-                                                mKc[r, c, h, page2] = sK[P - off + r, c,
-                                                                         k_handle.index]
+                                            self._straddle_k(mKc, sK, k_handle.index,
+                                                             P - off, n2, h, page2, lane)
                                         cute.arch.mbarrier_wait(v_handle.barrier,
                                                                 (v_handle.count // S) % 2)
                                         self._store_tile(tma_vs, mVs_tma, sV, v_handle.index,
                                                          (D, P), 1, off, h, page1)
                                         if two:
-                                            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
-                                                r = i // D
-                                                c = i - r * D
-                                                mVc[c, r, h, page2] = sV[c, P - off + r,
-                                                                         v_handle.index]
+                                            self._straddle_v(mVc, sV, v_handle.index,
+                                                             P - off, n2, h, page2, lane)
                             cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.fresh_kv):
                     # every writeback store has finished before the CTA (and its smem) exits
@@ -1253,18 +1253,51 @@ class IonAttentionSm90:
         self._store_tile(tma_ks, mKs_tma, sK_tma, k_handle.index, (P, D), 0, off, h, page1,
                          half)
         if two:
-            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
-                r = i // D
-                c = i - r * D
-                mKc[r, c, h, page2] = sK[r0 + r, c, k_handle.index]
+            self._straddle_k(mKc, sK, k_handle.index, r0, n2, h, page2, lane)
         cute.arch.mbarrier_wait(v_handle.barrier, (v_handle.count // S) % 2)
         self._store_tile(tma_vs, mVs_tma, sV_tma, v_handle.index, (D, P), 1, off, h, page1,
                          half)
         if two:
+            self._straddle_v(mVc, sV, v_handle.index, r0, n2, h, page2, lane)
+
+    @cute.jit
+    def _straddle_k(self, mKc, sK, stage, r0, n2, h, page2, lane):
+        """Copy fresh-tile rows ``r0 .. r0 + n2 - 1`` of K stage ``stage`` (smem, (row, d))
+        into rows ``0 .. n2 - 1`` of cache page ``page2`` (``mKc``: (row, d, head, page)),
+        by the 32 lanes of the producer warp: element-wise, or with ``vec_straddle`` 8
+        elements (16 bytes) of one row a lane an iteration."""
+        D = self.head_dim
+        if cutlass.const_expr(self.vec_straddle):
+            V8 = D // 8
+            for i in cutlass.range(lane, n2 * V8, 32, unroll=1):
+                r = i // V8
+                ch = i - r * V8
+                src = cute.local_tile(sK[r0 + r, None, stage], (8,), (ch,))
+                dst = cute.local_tile(mKc[r, None, h, page2], (8,), (ch,))
+                dst.store(src.load())
+        else:
             for i in cutlass.range(lane, n2 * D, 32, unroll=1):
                 r = i // D
                 c = i - r * D
-                mVc[c, r, h, page2] = sV[c, r0 + r, v_handle.index]
+                mKc[r, c, h, page2] = sK[r0 + r, c, stage]
+
+    @cute.jit
+    def _straddle_v(self, mVc, sV, stage, r0, n2, h, page2, lane):
+        """``_straddle_k`` for V: smem (d, row), cache ``mVc`` (d, row, head, page)."""
+        D = self.head_dim
+        if cutlass.const_expr(self.vec_straddle):
+            V8 = D // 8
+            for i in cutlass.range(lane, n2 * V8, 32, unroll=1):
+                r = i // V8
+                ch = i - r * V8
+                src = cute.local_tile(sV[None, r0 + r, stage], (8,), (ch,))
+                dst = cute.local_tile(mVc[None, r, h, page2], (8,), (ch,))
+                dst.store(src.load())
+        else:
+            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
+                r = i // D
+                c = i - r * D
+                mVc[c, r, h, page2] = sV[c, r0 + r, stage]
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):

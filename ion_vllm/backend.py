@@ -110,6 +110,12 @@ KV_PAIR_ENV = "ION_KV_PAIR"
 #: (``IonAttentionSm90(pin_pv_wait=True)``): ptxas otherwise moves that wait above the
 #: softmax, so a warpgroup's softmax never overlaps its own PV (bench/notes.md, v16).
 PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
+#: ``ION_VEC_STRADDLE`` (default 0 until GPU-tested): the fused-writeback kernels copy the
+#: fresh-tile rows that reach into the next cache page 16 bytes a lane instead of one
+#: element (``IonAttentionSm90(vec_straddle=True)``).  Every fresh tile of a prefill chunk
+#: whose context is not a page multiple straddles, and the element-wise copy stalls the
+#: producer warp for ~500 iterations a tile (bench/notes.md, seventeenth session).
+VEC_STRADDLE_ENV = "ION_VEC_STRADDLE"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
 #: the row is in flight at once), which takes precedence over ``ION_ROW_COMBINE``; 0
@@ -241,6 +247,10 @@ def pdl_combine() -> bool:
 
 def kv_pair() -> bool:
     return _switch(KV_PAIR_ENV, "page pairs on 128-row q tiles")
+
+
+def vec_straddle() -> bool:
+    return _switch(VEC_STRADDLE_ENV, "vectorized straddle copy of the fused writeback")
 
 
 def pin_pv_wait() -> bool:
@@ -388,6 +398,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.pin_pv_wait:
             logger.info_once("ION: PV wait pinned after the softmax (%s=1, an experiment)",
                              PIN_PV_WAIT_ENV)
+        #: the fused kernels' vectorized straddle copy (off by default until GPU-tested)
+        self.vec_straddle = vec_straddle() and self.fresh_kv
+        if self.vec_straddle:
+            logger.info_once("ION: vectorized straddle copy (%s=1, an experiment)",
+                             VEC_STRADDLE_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -470,7 +485,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
                        lane_combine=self.lane_combine, kv_pair=self.kv_pair,
-                       pin_pv_wait=self.pin_pv_wait)
+                       pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle)
 
     @staticmethod
     def _fused_kv_writeback(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
@@ -529,7 +544,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             page_size=self.page_size, lazy_rescale=self.lazy_rescale,
             pdl_combine=self.pdl_combine, lane_combine=self.lane_combine,
             kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS,
-            pin_pv_wait=self.pin_pv_wait)
+            pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle)
 
     def consumer_kinds(self) -> tuple[int, ...]:
         """Consumer warpgroup counts of the attention kernels this builder's plans run."""

@@ -821,6 +821,28 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch):
+    """ION_VEC_STRADDLE=1 (fused writeback on): every DevicePlan of the builder runs the
+    fused kernels with the vectorized straddle copy; off by default and without fused
+    writeback; a bad value is refused."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = make_config("--max-num-seqs", "8")
+    monkeypatch.delenv(backend_mod.VEC_STRADDLE_ENV, raising=False)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert b.fresh_kv and not b.vec_straddle and not b.plan.vec_straddle
+    monkeypatch.setenv(backend_mod.VEC_STRADDLE_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    plans = [p for p in (b.plan, b.plan128, b.plan192) if p is not None]
+    assert b.vec_straddle and len(plans) >= 2 and all(p.vec_straddle for p in plans)
+    monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "0")
+    assert not IonAttentionMetadataBuilder(kv_spec(), [], cfg,
+                                           torch.device("cpu")).vec_straddle
+    monkeypatch.setenv(backend_mod.VEC_STRADDLE_ENV, "yes")
+    with pytest.raises(ValueError, match=backend_mod.VEC_STRADDLE_ENV):
+        backend_mod.vec_straddle()
+
+
 def build_checked(builder, bt, q_lens, seq_lens):
     """One step through ``builder.build``: the device work list must equal the host plan's
     and cover the batch exactly (``coverage_from_work``); returns the metadata."""

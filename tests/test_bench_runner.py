@@ -425,3 +425,10 @@ def test_append_and_fused_backends(monkeypatch):
             assert calls == [("attn", ["key", "plan", "value"])]
             assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, tile_m=want_tm)
         assert name in kr.BACKENDS
+    # ion-auto-fused-vs: the default fused plan, on the vectorized-straddle kernels
+    for c in (mixed, decode_only):
+        calls.clear()
+        kr.PREPARE["ion-auto-fused-vs"](c, 0, "cpu", {}).call()
+        assert calls == [("attn", ["key", "plan", "value"])]
+        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, vec_straddle=True)
+    assert "ion-auto-fused-vs" in kr.BACKENDS

@@ -415,3 +415,44 @@ def test_default_kernel_has_no_tma_store():
     sass = _sass(art.cubin)
     if sass is not None:
         assert "UTMALDG" in sass and "UTMASTG" not in sass
+
+
+@pytest.mark.parametrize("vi,unpacked,consumers,kv_pair", [
+    (7, False, 1, False), (1, True, 1, False), (7, True, 2, False), (7, True, 3, False),
+    (1, True, 3, False), (7, True, 2, True)],
+    ids=["bf16-128-8-m64", "bf16-64-2-unpacked", "bf16-128-8-m128", "bf16-128-8-m192",
+         "bf16-64-2-m192", "bf16-128-8-pairs"])
+def test_vec_straddle_variants_copy_16_bytes_a_lane(vi, unpacked, consumers, kv_pair):
+    """``vec_straddle=True``: the straddle copy (K and V) is 128-bit shared loads and global
+    stores, with no element-wise ones left, the TMA writeback unchanged and no spills; with
+    False the kernel is the element-wise one (``st.global.b16``, ``ld.shared.b16``).  At
+    D = 64 the flag is dropped and the PTX is the element-wise kernel's."""
+    v = ALL_VARIANTS[vi]
+    arts = {}
+    for vs in (False, True):
+        fn = attention.make_fused_kernel(v, unpacked, consumers=consumers, kv_pair=kv_pair,
+                                         vec_straddle=vs)
+        # D = 64: the producer would spill, so the flag is dropped (element-wise copy)
+        assert fn.__self__.vec_straddle is (vs and v.head_dim == 128)
+        arts[vs] = compile_sm90a(fn, *attention.fused_fake_args(v, unpacked),
+                                 compile_options="--enable-tvm-ffi", keep_cubin=True)
+    plain, vec = arts[False], arts[True]
+    if v.head_dim != 128:
+        assert vec.ptx == plain.ptx
+        return
+    assert plain.count(r"st\.global\.b16") >= 2 and plain.has("ld.shared.b16")
+    assert not vec.has("st.global.b16") and not vec.has("ld.shared.b16")
+    assert vec.count(r"st\.global\.v4\.b32") >= 2, "K and V straddle rows, 16 bytes a lane"
+    assert vec.count(r"ld\.shared\.v4\.b32") >= 2
+    for art in (plain, vec):
+        n_stores = art.count(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta")
+        assert n_stores == 2 * (v.head_dim // 64) * (2 if kv_pair else 1)
+        assert not art.has("st.local")
+    sass = _sass(vec.cubin)
+    if sass is not None:
+        assert "STG.E.128" in sass and "LDS.128" in sass and "STG.E.U16" not in sass
+        assert "STL" not in sass and "LDL" not in sass, "ptxas spilled registers"
+    # the plain kernel (no fresh_kv) has no straddle copy at all: the flag is dropped
+    from cute_kernels.attention_sm90 import IonAttentionSm90
+    import cutlass
+    assert not IonAttentionSm90(cutlass.BFloat16, 128, 8, vec_straddle=True).vec_straddle

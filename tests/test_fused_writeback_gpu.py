@@ -46,17 +46,17 @@ def _new_kv(total_q, hq, hkv, d, dtype, gen, strided):
     return key, value
 
 
-def _device_plan(qsl, sl, hkv, g, d, force_split):
+def _device_plan(qsl, sl, hkv, g, d, force_split, **plan_kw):
     from cute_kernels.attention import make_device_plan
     from cute_kernels.planner import CostModel
 
     cm = CostModel(head_dim=d, **CHEAP_SPLIT) if force_split else None
     return make_device_plan(qsl, sl, num_kv_heads=hkv, group_size=g, page_size=P, head_dim=d,
-                            device="cuda", fresh_kv=True, cost_model=cm)
+                            device="cuda", fresh_kv=True, cost_model=cm, **plan_kw)
 
 
 def _run_case(q_lens, seq_lens, *, hq, hkv, d, dtype=torch.bfloat16, seed=0, pad_rows=0,
-              force_split=False, strided=True, use_api_plan=False):
+              force_split=False, strided=True, use_api_plan=False, plan_kw=None):
     from cute_kernels.attention import ion_attention
 
     case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, page=P, dtype=dtype,
@@ -76,7 +76,7 @@ def _run_case(q_lens, seq_lens, *, hq, hkv, d, dtype=torch.bfloat16, seed=0, pad
     k0, v0 = k_cache.clone(), v_cache.clone()
     out = torch.full_like(q, float("nan"))
     plan = None if use_api_plan else _device_plan(qsl.cpu(), sl.cpu(), hkv, hq // hkv, d,
-                                                  force_split)
+                                                  force_split, **(plan_kw or {}))
     ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan, key=key, value=value)
     torch.cuda.synchronize()
 

@@ -84,6 +84,8 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+noreuse": {"ION_PLAN_REUSE": "0"},
     # decode-only steps recut the last decode plan (ION_PLAN_REPAGE, opt-in)
     "ION+repage": {"ION_PLAN_REPAGE": "1"},
+    # the fused kernels' vectorized straddle copy (ION_VEC_STRADDLE, an experiment)
+    "ION+vs": {"ION_VEC_STRADDLE": "1"},
     # page pairs on the 128-row q tiles of prefill-dominated steps: the e2e side of
     # ion-auto-kp / ion-auto-fused-kp
     "ION+kp": {"ION_KV_PAIR": "1"},

@@ -1,0 +1,66 @@
+"""GPU (sm_90) tests of the vectorized straddle copy (``IonAttentionSm90(vec_straddle=True)``,
+``make_device_plan(..., vec_straddle=True)``, the backend's ``ION_VEC_STRADDLE=1``): the
+fused-writeback kernels copy the rows of a fresh tile that reach into the next cache page
+16 bytes a lane instead of one element.  Every fresh tile of a prefill chunk whose context
+is not a page multiple straddles, so these batches put chunks at contexts with every kind
+of remainder (1, 31, 63 tokens past a page, chunks ending inside the straddled rows) beside
+decode rows and fresh prompts, on every tile size the backend runs (64, 128, 192 rows;
+unpacked prefill tiles, as the backend plans them) and on the page-pair kernels, with
+key/value as strided views of a fused qkv buffer.  Checks as
+``test_fused_writeback_gpu._run_case``: output against the fp32 reference (NaN-poisoned
+first), cache bit-equal to the reference append at every position < seq_len, foreign blocks
+untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_fused_writeback_gpu import _run_case
+
+P = 64
+
+#: (q_len, ctx): chunks at every straddle remainder, a chunk whose valid rows end inside
+#: the straddled part of its last tile, decode rows, a fresh prompt, a row with no work
+ROWS = [(1, 8000), (700, 1 * P + 1), (1, 3000), (513, 5 * P + 31), (390, 2 * P + 63),
+        (70, 3 * P + 40), (1, 130), (300, 0), (0, 77), (1000, 7 * P + 17)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+@pytest.mark.parametrize("d,hq,hkv", [(128, 28, 4), (64, 16, 8)])
+def test_vec_straddle_matches_the_reference(tile_m, d, hq, hkv):
+    q_lens = [q for q, _ in ROWS]
+    seq_lens = [q + c for q, c in ROWS]
+    _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, seed=tile_m + d, pad_rows=5,
+              strided=True, plan_kw=dict(vec_straddle=True, tile_m=tile_m,
+                                         unpacked_prefill=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_vec_straddle_random_chunks(seed):
+    rng = np.random.default_rng(100 + seed)
+    q_lens, seq_lens = [], []
+    for _ in range(int(rng.integers(2, 10))):
+        if rng.random() < 0.4:
+            ql, ctx = 1, int(rng.integers(0, 4000))
+        else:
+            ql, ctx = int(rng.integers(2, 1500)), int(rng.integers(0, 3000))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+    hq, hkv = [(28, 4), (32, 8), (8, 8), (16, 4)][seed]
+    _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=128, seed=seed, pad_rows=int(seed),
+              force_split=seed % 2 == 0, strided=bool(seed % 2),
+              plan_kw=dict(vec_straddle=True, tile_m=(64, 128, 192, 128)[seed],
+                           unpacked_prefill=True))
+
+
+@pytest.mark.gpu
+def test_vec_straddle_on_page_pairs():
+    # the page-pair kernels store a fresh tile from half a stage (_store_fresh_half)
+    q_lens = [q for q, _ in ROWS]
+    seq_lens = [q + c for q, c in ROWS]
+    _run_case(q_lens, seq_lens, hq=28, hkv=4, d=128, seed=7, strided=True,
+              plan_kw=dict(vec_straddle=True, tile_m=128, unpacked_prefill=True,
+                           kv_pair=True))
