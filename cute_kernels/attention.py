@@ -230,7 +230,7 @@ def _multi_stages(variant: Variant, kv_pair: bool, consumers: int = 2) -> int:
 
 def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                 lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                pingpong=None, pin_pv_wait=None):
+                pingpong=None, pin_pv_wait=None, skip_idle: bool = False):
     """The CuTeDSL kernel object of ``variant`` (compile it with ``fake_args(variant)``);
     ``unpacked``: the ``unpacked_prefill`` variant (same arguments); ``consumers=2``: the
     two-consumer-warpgroup variant running 128-row q tiles (plans with ``tile_m=128``);
@@ -239,7 +239,9 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
     ``kv_stages``: K/V pipeline depth of a ``consumers=2`` kernel (``check_kv_stages``);
     ``pingpong``: warpgroup ping-pong of a ``consumers=2`` kernel (``check_pingpong``);
     ``pin_pv_wait``: the steady state's PV wait pinned after the softmax
-    (``check_pin_pv_wait``)."""
+    (``check_pin_pv_wait``); ``skip_idle``: a consumer warpgroup of a ``consumers >= 2``
+    kernel whose rows hold no token of an item issues no wgmma for it (an experiment
+    until GPU-tested; dropped at ``consumers=1``)."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
@@ -254,7 +256,8 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                                 unpacked_prefill=unpacked, consumers=c,
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _multi_stages(variant, kv_pair, c),
-                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin)
+                                pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin,
+                                skip_idle=skip_idle)
     ctas = ctas_per_sm_for(1, variant.page_size)
     stages = kv_stages_for(1, variant.page_size)
     if unpacked:
@@ -269,14 +272,16 @@ def make_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
 
 def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int = 1,
                       lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                      pingpong=None, pin_pv_wait=None, vec_straddle: bool = False):
+                      pingpong=None, pin_pv_wait=None, vec_straddle: bool = False,
+                      skip_idle: bool = False):
     """The fused-writeback (``fresh_kv``) entry point of ``variant``: a bound ``@cute.jit``
     method, compiled with ``fused_fake_args(variant)``; ``unpacked``: of the
     ``unpacked_prefill`` variant; ``consumers=2``: of the 128-row-tile variant;
     ``lazy_rescale``: of the lazy-rescaling experiment; ``kv_pair``: of the page-pair
     variant (``consumers=2`` only); ``kv_stages``, ``pingpong``, ``pin_pv_wait``: as for
     ``make_kernel``; ``vec_straddle``: the fresh-tile rows that reach into the next page
-    are copied 16 bytes a lane instead of one element (an experiment until GPU-tested)."""
+    are copied 16 bytes a lane instead of one element (an experiment until GPU-tested);
+    ``skip_idle``: as for ``make_kernel``."""
     from .attention_sm90 import IonAttentionSm90
 
     if kv_pair and _check_consumers(consumers) != 2:
@@ -292,7 +297,7 @@ def make_fused_kernel(variant: Variant, unpacked: bool = False, consumers: int =
                                 lazy_rescale=lazy_rescale, kv_pair=kv_pair,
                                 kv_stages=stages or _multi_stages(variant, kv_pair, c),
                                 pingpong=_or_default(pp, PINGPONG_DEFAULT), pin_pv_wait=pin,
-                                vec_straddle=vec_straddle).fused
+                                vec_straddle=vec_straddle, skip_idle=skip_idle).fused
     return IonAttentionSm90(_cutlass_dtype(variant.dtype), variant.head_dim, variant.group_pad,
                             variant.page_size, ctas_per_sm=CTAS_PER_SM, fresh_kv=True,
                             unpacked_prefill=unpacked, lazy_rescale=lazy_rescale,
@@ -356,12 +361,12 @@ fake_args = _fake_args
 @functools.lru_cache(maxsize=None)
 def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
               lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-              pingpong=None, pin_pv_wait=None):
+              pingpong=None, pin_pv_wait=None, skip_idle: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_kernel(variant, unpacked, consumers, lazy_rescale, kv_pair,
-                                        kv_stages, pingpong, pin_pv_wait),
+                                        kv_stages, pingpong, pin_pv_wait, skip_idle),
                             *fake_args(variant, unpacked),
                             options="--enable-tvm-ffi")
 
@@ -369,13 +374,14 @@ def _compiled(variant: Variant, unpacked: bool = False, consumers: int = 1,
 @functools.lru_cache(maxsize=None)
 def _compiled_fused(variant: Variant, unpacked: bool = False, consumers: int = 1,
                     lazy_rescale: bool = False, kv_pair: bool = False, kv_stages=None,
-                    pingpong=None, pin_pv_wait=None, vec_straddle: bool = False):
+                    pingpong=None, pin_pv_wait=None, vec_straddle: bool = False,
+                    skip_idle: bool = False):
     import cutlass.cute as cute
 
     with _compile_lock:
         return cute.compile(make_fused_kernel(variant, unpacked, consumers, lazy_rescale,
                                               kv_pair, kv_stages, pingpong, pin_pv_wait,
-                                              vec_straddle),
+                                              vec_straddle, skip_idle),
                             *fused_fake_args(variant, unpacked), options="--enable-tvm-ffi")
 
 
@@ -424,7 +430,7 @@ class DevicePlan:
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
                  kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None,
-                 vec_straddle: bool = False):
+                 vec_straddle: bool = False, skip_idle: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -451,6 +457,9 @@ class DevicePlan:
         #: fused-writeback kernels whose straddle copy moves 16 bytes a lane (an
         #: experiment: ``IonAttentionSm90(vec_straddle=True)``; plain kernels ignore it)
         self.vec_straddle = bool(vec_straddle)
+        #: 128- and 192-row kernels whose idle consumer warpgroups issue no wgmma (an
+        #: experiment: ``IonAttentionSm90(skip_idle=True)``; 64-row plans ignore it)
+        self.skip_idle = bool(skip_idle)
         self.device = device
         self.num_ctas = int(num_ctas)
         self.item_capacity = max(1, int(item_capacity))
@@ -551,7 +560,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
                      pin_pv_wait=None, refine_balance: bool = True,
-                     split_unpacked: bool = True, vec_straddle: bool = False) -> DevicePlan:
+                     split_unpacked: bool = True, vec_straddle: bool = False,
+                     skip_idle: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
@@ -581,7 +591,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``split_unpacked=False``: unpacked items never split (planner ``split_unpacked``; the
     planner before v18), for A/B runs.
     ``vec_straddle=True``: a fused call runs the kernels with the vectorized straddle copy
-    (an experiment until GPU-tested)."""
+    (an experiment until GPU-tested).
+    ``skip_idle=True``: 128/192-row plans run the kernels whose idle consumer warpgroups
+    issue no wgmma (an experiment until GPU-tested)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -603,7 +615,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                     tile_m=tile_m, row_combine=row_combine, page_size=page_size,
                     lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
                     lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                    pingpong=pingpong, pin_pv_wait=pin_pv_wait, vec_straddle=vec_straddle)
+                    pingpong=pingpong, pin_pv_wait=pin_pv_wait, vec_straddle=vec_straddle,
+                    skip_idle=skip_idle)
     return dp.upload(p)
 
 
@@ -736,15 +749,17 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     stages = getattr(plan, "kv_stages", None)
     pp = getattr(plan, "pingpong", None)
     pin = getattr(plan, "pin_pv_wait", None)
+    # skip_idle only exists on the consumers >= 2 kernels: keep one 64-row compile
+    si = bool(getattr(plan, "skip_idle", False)) and consumers >= 2
     if fused:
         vs = bool(getattr(plan, "vec_straddle", False))
-        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin, vs)(
+        _compiled_fused(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin, vs, si)(
                                  q, key, value, k_cache, v_cache, out, query_start_loc,
                                  seq_lens, block_table, plan.work, plan.cta_offsets,
                                  plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
                                  softmax_scale * 1.4426950408889634, plan.num_ctas)
     else:
-        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        _compiled(variant, unpacked, consumers, lazy, kv_pair, stages, pp, pin, si)(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                            plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
                            plan.partial_lse, G, softmax_scale * 1.4426950408889634,
                            plan.num_ctas)
@@ -762,7 +777,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
                kv_pair: bool = False, kv_stages=None, pingpong=None,
-               pin_pv_wait=None, vec_straddle: bool = False) -> None:
+               pin_pv_wait=None, vec_straddle: bool = False,
+               skip_idle: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
     attention variant(s) when ``unpacked`` (plans made with ``unpacked_prefill=True``).
@@ -777,6 +793,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
     ``pin_pv_wait``: the kernels with / without the pinned PV wait (plans with it).
     ``vec_straddle``: the fused kernels' vectorized straddle copy (plans with it).
+    ``skip_idle``: the 128/192-row kernels whose idle warpgroups skip wgmma (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
 
@@ -791,8 +808,10 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
         stages = check_kv_stages(kv_stages, c, page_size, pair) if c == 2 else None
         pp = check_pingpong(pingpong, c) if c == 2 else None
         for u in (False, True) if unpacked else (False,):
-            _compiled(variant, u, c, lz, pair, stages, pp, pin)
+            si = bool(skip_idle) and c >= 2
+            _compiled(variant, u, c, lz, pair, stages, pp, pin, si)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin, bool(vec_straddle))
+                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin, bool(vec_straddle),
+                                si)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

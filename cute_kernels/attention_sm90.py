@@ -139,7 +139,8 @@ class IonAttentionSm90:
                  kv_stages: int = 2, q_stages: int = 2, ctas_per_sm=None,
                  fresh_kv: bool = False, unpacked_prefill: bool = False, consumers: int = 1,
                  lazy_rescale: bool = False, kv_pair: bool = False, pingpong: bool = False,
-                 pin_pv_wait: bool = False, vec_straddle: bool = False):
+                 pin_pv_wait: bool = False, vec_straddle: bool = False,
+                 skip_idle: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if group_pad not in (1, 2, 4, 8):
@@ -184,6 +185,11 @@ class IonAttentionSm90:
         # only: at D = 64 the 40-register producer spills with the 128-bit copy, so those
         # variants keep the element-wise one (tests/test_fused_writeback_cpu.py)
         self.vec_straddle = bool(vec_straddle) and self.fresh_kv and head_dim == 128
+        # consumers >= 2 only: a consumer warpgroup whose rows hold no token of the item (a
+        # decode row's tile at 128 or 192 rows, the tail tile of a chunk) issues no wgmma
+        # for it and only paces the K/V pipelines; with False the generated code computes
+        # every row
+        self.skip_idle = bool(skip_idle) and consumers >= 2
         if self.fresh_kv:
             # the writeback producer keeps the unit / ownership state of an item live:
             # with 24 (or 32) registers ptxas spills it to local memory (D = 64 variants),
@@ -896,6 +902,11 @@ class IonAttentionSm90:
                     pos0 = pos0 + tok_off
                     q_start = q_start + tok_off
                     q_cnt = q_cnt - tok_off
+                # skip_idle: whether this warpgroup's rows hold a token (uniform across the
+                # warpgroup, as the .aligned wgmma needs)
+                active = None
+                if cutlass.const_expr(self.skip_idle):
+                    active = q_cnt > 0
                 ctx = 0
                 n_old = 0
                 if cutlass.const_expr(self.fresh_kv):
@@ -916,7 +927,7 @@ class IonAttentionSm90:
                 # first page: S = Q K^T, softmax -> P
                 k_handle = k_cons.wait_and_advance()
                 self._turn_wait(q_half)
-                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
+                self._maybe_qk(active, qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                 self._turn_pass(q_half)
                 cute.nvgpu.warpgroup.wait_group(0)
                 k_handle.release()
@@ -941,9 +952,9 @@ class IonAttentionSm90:
                                        unroll=1):
                     k_handle = k_cons.wait_and_advance()
                     self._turn_wait(q_half)
-                    self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
+                    self._maybe_qk(active, qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
                     v_handle = v_cons.wait_and_advance()
-                    self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+                    self._maybe_pv(active, pv_mma, acc_o, rP, tOrV, v_handle.index)
                     self._turn_pass(q_half)
                     cute.nvgpu.warpgroup.wait_group(1)
                     k_handle.release()
@@ -966,7 +977,7 @@ class IonAttentionSm90:
                         self._rescale(acc_o, corr)
                     rP_as_s.store(acc_s.load().to(self.dtype))
                 v_handle = v_cons.wait_and_advance()
-                self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+                self._maybe_pv(active, pv_mma, acc_o, rP, tOrV, v_handle.index)
                 cute.nvgpu.warpgroup.wait_group(0)
                 v_handle.release()
                 q_handle.release()
@@ -1068,6 +1079,25 @@ class IonAttentionSm90:
         for kb in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
             cute.gemm(pv_mma, acc_o, rP[(None, None, kb)], tOrV[(None, None, kb, v_stage)], acc_o)
         cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _maybe_qk(self, active, qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage):
+        """``_issue_qk``; with ``skip_idle`` only when ``active`` (an idle warpgroup's S is
+        left stale: none of its rows is stored)."""
+        if cutlass.const_expr(self.skip_idle):
+            if active:
+                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage)
+        else:
+            self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage)
+
+    @cute.jit
+    def _maybe_pv(self, active, pv_mma, acc_o, rP, tOrV, v_stage):
+        """``_issue_pv``; with ``skip_idle`` only when ``active``."""
+        if cutlass.const_expr(self.skip_idle):
+            if active:
+                self._issue_pv(pv_mma, acc_o, rP, tOrV, v_stage)
+        else:
+            self._issue_pv(pv_mma, acc_o, rP, tOrV, v_stage)
 
     @cute.jit
     def _wait_pv(self, row_sum, group_size):

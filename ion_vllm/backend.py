@@ -116,6 +116,12 @@ PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
 #: whose context is not a page multiple straddles, and the element-wise copy stalls the
 #: producer warp for ~500 iterations a tile (bench/notes.md, seventeenth session).
 VEC_STRADDLE_ENV = "ION_VEC_STRADDLE"
+#: ``ION_SKIP_IDLE`` (default 0 until GPU-tested): on the 128- and 192-row kernels a consumer
+#: warpgroup whose rows hold no token of an item (every decode row's tile: 7 of 128 or 192
+#: rows are real) issues no wgmma for it (``IonAttentionSm90(skip_idle=True)``), so decode
+#: rows in prefill-carrying steps stream at memory speed instead of paying 2-3 warpgroups'
+#: MMAs a page (bench/notes.md, seventeenth session).
+SKIP_IDLE_ENV = "ION_SKIP_IDLE"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
 #: the row is in flight at once), which takes precedence over ``ION_ROW_COMBINE``; 0
@@ -247,6 +253,10 @@ def pdl_combine() -> bool:
 
 def kv_pair() -> bool:
     return _switch(KV_PAIR_ENV, "page pairs on 128-row q tiles")
+
+
+def skip_idle() -> bool:
+    return _switch(SKIP_IDLE_ENV, "idle consumer warpgroups skip their wgmma")
 
 
 def vec_straddle() -> bool:
@@ -403,6 +413,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.vec_straddle:
             logger.info_once("ION: vectorized straddle copy (%s=1, an experiment)",
                              VEC_STRADDLE_ENV)
+        #: 128/192-row kernels whose idle warpgroups skip wgmma (off until GPU-tested)
+        self.skip_idle = skip_idle()
+        if self.skip_idle:
+            logger.info_once("ION: idle consumer warpgroups skip their MMAs (%s=1, an "
+                             "experiment)", SKIP_IDLE_ENV)
         #: split-KV combine launched with programmatic dependent launch
         self.pdl_combine = pdl_combine()
         if self.pdl_combine:
@@ -485,7 +500,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
                        experimental_pages=self.page_size != KERNEL_BLOCK_SIZE,
                        lazy_rescale=self.lazy_rescale, pdl_combine=self.pdl_combine,
                        lane_combine=self.lane_combine, kv_pair=self.kv_pair,
-                       pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle)
+                       pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle,
+                       skip_idle=self.skip_idle)
 
     @staticmethod
     def _fused_kv_writeback(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
@@ -544,7 +560,8 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             page_size=self.page_size, lazy_rescale=self.lazy_rescale,
             pdl_combine=self.pdl_combine, lane_combine=self.lane_combine,
             kv_pair=self.kv_pair and tile_m == 2 * Q_TILE_ROWS,
-            pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle)
+            pin_pv_wait=self.pin_pv_wait, vec_straddle=self.vec_straddle,
+            skip_idle=self.skip_idle and tile_m > Q_TILE_ROWS)
 
     def consumer_kinds(self) -> tuple[int, ...]:
         """Consumer warpgroup counts of the attention kernels this builder's plans run."""

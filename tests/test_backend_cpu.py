@@ -843,6 +843,26 @@ def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch)
         backend_mod.vec_straddle()
 
 
+
+def test_skip_idle_switch_reaches_the_large_tile_plans(make_config, monkeypatch):
+    """ION_SKIP_IDLE=1: the 128- and 192-row DevicePlans run the kernels whose idle
+    warpgroups skip their MMAs; the 64-row plan (one warpgroup, never idle) does not."""
+    import ion_vllm.backend as backend_mod
+
+    cfg = make_config("--max-num-seqs", "8")
+    monkeypatch.delenv(backend_mod.SKIP_IDLE_ENV, raising=False)
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    assert not b.skip_idle and not b.plan128.skip_idle
+    monkeypatch.setenv(backend_mod.SKIP_IDLE_ENV, "1")
+    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
+    large = [p for p in (b.plan128, b.plan192) if p is not None]
+    assert b.skip_idle and large and all(p.skip_idle for p in large)
+    assert not b.plan.skip_idle
+    monkeypatch.setenv(backend_mod.SKIP_IDLE_ENV, "2")
+    with pytest.raises(ValueError, match=backend_mod.SKIP_IDLE_ENV):
+        backend_mod.skip_idle()
+
+
 def build_checked(builder, bt, q_lens, seq_lens):
     """One step through ``builder.build``: the device work list must equal the host plan's
     and cover the batch exactly (``coverage_from_work``); returns the metadata."""

@@ -432,3 +432,11 @@ def test_append_and_fused_backends(monkeypatch):
         assert calls == [("attn", ["key", "plan", "value"])]
         assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, vec_straddle=True)
     assert "ion-auto-fused-vs" in kr.BACKENDS
+    for c in (mixed, decode_only):
+        calls.clear()
+        kr.PREPARE["ion-auto-fused-si"](c, 0, "cpu", {}).call()
+        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, skip_idle=True)
+    assert "ion-auto-fused-si" in kr.BACKENDS
+    kr.PREPARE["ion-auto-fused-vs-si"](mixed, 0, "cpu", {}).call()
+    assert plans[-1] == dict(kr.auto_plan_options(mixed), fresh_kv=True, vec_straddle=True,
+                             skip_idle=True)

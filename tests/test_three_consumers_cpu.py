@@ -173,3 +173,36 @@ def test_three_consumer_refusals():
         attention.make_kernel(ALL_VARIANTS[7], consumers=3, kv_pair=True)
     # K/V depth is an option of the 192-row kernels too; the default depth is one kernel
     assert attention.check_kv_stages(4, 3) is None and attention.check_kv_stages(3, 3) == 3
+
+
+@pytest.mark.parametrize("consumers,fused", [(2, True), (3, True), (3, False)],
+                         ids=["m128-fused", "m192-fused", "m192-plain"])
+def test_skip_idle_variants_guard_their_mmas(consumers, fused):
+    """``skip_idle=True``: the 128/192-row kernels keep the same wgmmas and steady state
+    (34 exp2 a page, 8 QK^T + 4 PV HGMMAs), gain the branches that skip a warpgroup's MMAs
+    when its rows hold no token, and compile spill-free; at consumers=1 the flag is dropped
+    and the PTX is the default's."""
+    v = ALL_VARIANTS[7]
+    make = attention.make_fused_kernel if fused else attention.make_kernel
+    fake = attention.fused_fake_args if fused else attention.fake_args
+    arts = {}
+    for si in (False, True):
+        fn = make(v, True, consumers=consumers, skip_idle=si)
+        kernel = fn.__self__ if fused else fn
+        assert kernel.skip_idle is si
+        arts[si] = compile_sm90a(fn, *fake(v, True), compile_options="--enable-tvm-ffi",
+                                 keep_cubin=True)
+    plain, skip = arts[False], arts[True]
+    assert plain.ptx != skip.ptx
+    mma = r"wgmma\.mma_async"
+    assert skip.count(mma) == plain.count(mma) > 0
+    assert skip.count(r"\bbra\b") > plain.count(r"\bbra\b")
+    assert not skip.has("st.local")
+    sass = _sass(skip.cubin)
+    if sass is not None:
+        _check_no_spills(skip)
+        mix = loop_mix(sass)
+        assert mix["counts"]["MUFU.EX2"] == 34
+        assert sum(n for op, n in mix["hgmma"].items() if op.startswith("HGMMA.64x64x16")) == 8
+    one = attention.make_fused_kernel(v, True, consumers=1, skip_idle=True).__self__
+    assert not one.skip_idle

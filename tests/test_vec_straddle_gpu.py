@@ -1,4 +1,6 @@
-"""GPU (sm_90) tests of the vectorized straddle copy (``IonAttentionSm90(vec_straddle=True)``,
+"""GPU (sm_90) tests of two opt-in kernel experiments of the seventeenth session.
+
+The vectorized straddle copy (``IonAttentionSm90(vec_straddle=True)``,
 ``make_device_plan(..., vec_straddle=True)``, the backend's ``ION_VEC_STRADDLE=1``): the
 fused-writeback kernels copy the rows of a fresh tile that reach into the next cache page
 16 bytes a lane instead of one element.  Every fresh tile of a prefill chunk whose context
@@ -9,7 +11,13 @@ unpacked prefill tiles, as the backend plans them) and on the page-pair kernels,
 key/value as strided views of a fused qkv buffer.  Checks as
 ``test_fused_writeback_gpu._run_case``: output against the fp32 reference (NaN-poisoned
 first), cache bit-equal to the reference append at every position < seq_len, foreign blocks
-untouched."""
+untouched.
+
+``skip_idle`` (``IonAttentionSm90(skip_idle=True)``, ``ION_SKIP_IDLE=1``): on the 128- and
+192-row kernels a consumer warpgroup whose rows hold no token of an item issues no wgmma
+for it; the same checks on the same batches (decode rows and chunk tails are such items).
+D = 64 variants keep the element-wise straddle copy (their producer would spill), so the
+D = 64 case here runs that one."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,3 +72,20 @@ def test_vec_straddle_on_page_pairs():
     _run_case(q_lens, seq_lens, hq=28, hkv=4, d=128, seed=7, strided=True,
               plan_kw=dict(vec_straddle=True, tile_m=128, unpacked_prefill=True,
                            kv_pair=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m", [128, 192])
+@pytest.mark.parametrize("force_split", [False, True])
+def test_skip_idle_with_decode_rows_and_chunk_tails(tile_m, force_split):
+    """``skip_idle=True`` (``ION_SKIP_IDLE=1``): on 128/192-row tiles the warpgroups that
+    hold no token of a decode row's tile or of a chunk's tail tile issue no MMA; every row
+    that has work must still match the reference (and rows without work stay poisoned),
+    with and without the vectorized straddle copy, split-KV forced or not."""
+    for vs in (False, True):
+        q_lens = [q for q, _ in ROWS]
+        seq_lens = [q + c for q, c in ROWS]
+        _run_case(q_lens, seq_lens, hq=28, hkv=4, d=128, seed=tile_m + 3 * vs, pad_rows=2,
+                  force_split=force_split, strided=True,
+                  plan_kw=dict(skip_idle=True, vec_straddle=vs, tile_m=tile_m,
+                               unpacked_prefill=True))

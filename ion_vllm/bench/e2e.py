@@ -86,6 +86,9 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+repage": {"ION_PLAN_REPAGE": "1"},
     # the fused kernels' vectorized straddle copy (ION_VEC_STRADDLE, an experiment)
     "ION+vs": {"ION_VEC_STRADDLE": "1"},
+    # idle consumer warpgroups skip their wgmma (ION_SKIP_IDLE, an experiment), and both
+    "ION+si": {"ION_SKIP_IDLE": "1"},
+    "ION+vs+si": {"ION_VEC_STRADDLE": "1", "ION_SKIP_IDLE": "1"},
     # page pairs on the 128-row q tiles of prefill-dominated steps: the e2e side of
     # ion-auto-kp / ion-auto-fused-kp
     "ION+kp": {"ION_KV_PAIR": "1"},

@@ -34,7 +34,8 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
             "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
             "ion-auto-nsu", "ion-auto-fused-nsu", "ion-auto-fused-t128",
-            "ion-auto-fused-t192", "ion-auto-fused-vs", "ion-unpacked",
+            "ion-auto-fused-t192", "ion-auto-fused-vs", "ion-auto-fused-si", "ion-auto-fused-vs-si",
+            "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
 
@@ -666,6 +667,20 @@ def prepare_ion_auto_fused_vs(case: Case, rot: int, device, shared: dict) -> Pre
     return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=True)
 
 
+def prepare_ion_auto_fused_si(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` on the kernels whose idle consumer warpgroups issue no wgmma
+    (``ION_SKIP_IDLE=1``; an experiment): differs only on 128/192-row plans, where decode
+    rows and chunk tails leave warpgroups without a token."""
+    return prepare_ion_auto_fused(case, rot, device, shared, skip_idle=True)
+
+
+def prepare_ion_auto_fused_vs_si(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` with both experiments of the seventeenth session
+    (``ION_VEC_STRADDLE=1 ION_SKIP_IDLE=1``)."""
+    return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=True,
+                                  skip_idle=True)
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -684,6 +699,8 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-fused-t128": prepare_ion_auto_fused_t128,
            "ion-auto-fused-t192": prepare_ion_auto_fused_t192,
            "ion-auto-fused-vs": prepare_ion_auto_fused_vs,
+           "ion-auto-fused-si": prepare_ion_auto_fused_si,
+           "ion-auto-fused-vs-si": prepare_ion_auto_fused_vs_si,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa3-layer": prepare_fa3_layer, "fa4": prepare_fa4,
