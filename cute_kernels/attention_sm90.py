@@ -42,6 +42,7 @@ When valid rows reach into the next page, the producer warp copies those rows (t
 ``P - pos % P ..``) into rows ``0 ..`` of that page with plain stores: a TMA store there would
 need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``).
 Only prefill chunks whose context is not page-aligned straddle; decode tiles never do.
+(``vec_straddle=True``, D = 128: that copy moves 16 bytes a lane instead of one element.)
 Before a stage is refilled the producer waits for the store that read it
 (``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
@@ -69,7 +70,9 @@ warpgroup ``w`` = 1, 2 consumes buffer ``2*stage + w - 1`` and the SAME K/V stag
 empty barrier counts the 4 warps of both consumers (8 arrivals).  Consumer ``w`` sees its
 half as a 64-row tile whose first token is ``(64*(w-1)) >> shift`` tokens into the item
 (mask, output rows, partial rows ``+ 64*(w-1)``; an unpacked item's ``+ 64*(w-1)*Gp``), so
-the helpers are unchanged.
+the helpers are unchanged.  With ``skip_idle=True`` a consumer whose half holds no token of
+the item (a decode row's tile, a chunk's tail) waits on and releases every stage as usual
+but issues no wgmma.
 
 Page pairs (``kv_pair=True``, consumers=2 only; with False the generated code is the kernel
 above): a K/V stage holds two consecutive pages of an item, loaded as two TMA boxes into
