@@ -411,8 +411,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         #: the fused kernels' vectorized straddle copy (off by default until GPU-tested)
         self.vec_straddle = vec_straddle() and self.fresh_kv
         if self.vec_straddle:
-            logger.info_once("ION: vectorized straddle copy (%s=1, an experiment)",
-                             VEC_STRADDLE_ENV)
+            # the D = 64 kernels keep the element-wise copy (IonAttentionSm90 drops the flag)
+            logger.info_once("ION: vectorized straddle copy (%s=1, an experiment; head "
+                             "size 128 only)", VEC_STRADDLE_ENV)
         #: 128/192-row kernels whose idle warpgroups skip wgmma (off until GPU-tested)
         self.skip_idle = skip_idle()
         if self.skip_idle:
