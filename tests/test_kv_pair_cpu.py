@@ -291,16 +291,25 @@ def test_pairs_are_refused_where_not_implemented():
     assert dp.kv_pair and dp.tile_m == 128
 
 
+def compile_key(kind: str, key: tuple) -> tuple:
+    """(kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait) of a
+    compiled-kernel cache key (``key[0]`` the variant), then the seventeenth session's
+    options (``_compiled``: skip_idle; ``_compiled_fused``: vec_straddle, skip_idle) only
+    when one of them is set, so the tests of the older options read as before."""
+    base, extra = key[1:8], key[8:]
+    return (kind,) + base + (extra if any(extra) else ())
+
+
 def record_precompile(monkeypatch) -> list:
     """Stub out every compile ``attention.precompile`` triggers; the returned list collects
-    (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait) of each
-    attention kernel it asks for (kind "attn" or "fused")."""
+    ``compile_key`` of each attention kernel it asks for (kind "attn" or "fused")."""
     from cute_kernels import append_sm90
 
     calls = []
-    monkeypatch.setattr(attention, "_compiled", lambda *a: calls.append(("attn",) + a[1:]))
+    monkeypatch.setattr(attention, "_compiled",
+                        lambda *a: calls.append(compile_key("attn", a)))
     monkeypatch.setattr(attention, "_compiled_fused",
-                        lambda *a: calls.append(("fused",) + a[1:]))
+                        lambda *a: calls.append(compile_key("fused", a)))
     monkeypatch.setattr(attention, "_compiled_combine", lambda *a: None)
     monkeypatch.setattr(append_sm90, "_compiled_kernel", lambda *a: None)
     return calls
@@ -309,15 +318,15 @@ def record_precompile(monkeypatch) -> list:
 def record_launches(monkeypatch, tile_ms=(128,), **plan_options):
     """Stub out the compiled kernels, then plan one 300-token prefill (28 q / 4 KV heads,
     d 128) for every tile size in ``tile_ms`` with ``plan_options``, and launch it with and
-    without key/value.  Returns (the plans, the (kind, unpacked, consumers, lazy, kv_pair,
-    kv_stages, pingpong, pin_pv_wait) of every kernel the launches asked for)."""
+    without key/value.  Returns (the plans, the ``compile_key`` of every kernel the
+    launches asked for)."""
     import torch
 
     seen = []
 
     def fake(kind):
         def get(*key):
-            seen.append((kind,) + key[1:])
+            seen.append(compile_key(kind, key))
             return lambda *a: None
         return get
 
@@ -373,3 +382,24 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
         assert sorted(calls) == sorted(
             (kind, u, c, False, kv_pair and c == 2, None, None, None)
             for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))
+
+
+def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
+    """The seventeenth session's options reach the compiled-kernel cache: vec_straddle only
+    the fused kernels, skip_idle only the 128/192-row ones (a 64-row plan keeps the one
+    default compile)."""
+    import torch
+
+    _, seen = record_launches(monkeypatch, tile_ms=(64, 192), unpacked_prefill=True,
+                              vec_straddle=True, skip_idle=True)
+    assert seen == [("attn", True, 1, False, False, None, None, None),
+                    ("fused", True, 1, False, False, None, None, None, True, False),
+                    ("attn", True, 3, False, False, None, None, None, True),
+                    ("fused", True, 3, False, False, None, None, None, True, True)]
+    calls = record_precompile(monkeypatch)
+    attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=False,
+                         consumers=(1, 3), vec_straddle=True, skip_idle=True)
+    assert calls == [("attn", False, 1, False, False, None, None, None),
+                     ("fused", False, 1, False, False, None, None, None, True, False),
+                     ("attn", False, 3, False, False, None, None, None, True),
+                     ("fused", False, 3, False, False, None, None, None, True, True)]
