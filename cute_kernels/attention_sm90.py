@@ -819,15 +819,15 @@ class IonAttentionSm90:
                                         self._store_tile(tma_ks, mKs_tma, sK, k_handle.index,
                                                          (P, D), 0, off, h, page1)
                                         if two:
-                                            self._straddle_k(mKc, sK, k_handle.index,
-                                                             P - off, n2, h, page2, lane)
+                                            self._straddle(mKc, sK, k_handle.index, P - off,
+                                                           n2, h, page2, lane, False)
                                         cute.arch.mbarrier_wait(v_handle.barrier,
                                                                 (v_handle.count // S) % 2)
                                         self._store_tile(tma_vs, mVs_tma, sV, v_handle.index,
                                                          (D, P), 1, off, h, page1)
                                         if two:
-                                            self._straddle_v(mVc, sV, v_handle.index,
-                                                             P - off, n2, h, page2, lane)
+                                            self._straddle(mVc, sV, v_handle.index, P - off,
+                                                           n2, h, page2, lane, True)
                             cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.fresh_kv):
                     # every writeback store has finished before the CTA (and its smem) exits
@@ -1286,51 +1286,43 @@ class IonAttentionSm90:
         self._store_tile(tma_ks, mKs_tma, sK_tma, k_handle.index, (P, D), 0, off, h, page1,
                          half)
         if two:
-            self._straddle_k(mKc, sK, k_handle.index, r0, n2, h, page2, lane)
+            self._straddle(mKc, sK, k_handle.index, r0, n2, h, page2, lane, False)
         cute.arch.mbarrier_wait(v_handle.barrier, (v_handle.count // S) % 2)
         self._store_tile(tma_vs, mVs_tma, sV_tma, v_handle.index, (D, P), 1, off, h, page1,
                          half)
         if two:
-            self._straddle_v(mVc, sV, v_handle.index, r0, n2, h, page2, lane)
+            self._straddle(mVc, sV, v_handle.index, r0, n2, h, page2, lane, True)
+
+    @staticmethod
+    def _row_d(row, d, d_first: bool):
+        """A (row, d) coordinate in a K/V tile's mode order: (row, d) for K's smem and cache
+        views, (d, row) for V's (plain Python, resolved while tracing)."""
+        return (d, row) if d_first else (row, d)
 
     @cute.jit
-    def _straddle_k(self, mKc, sK, stage, r0, n2, h, page2, lane):
-        """Copy fresh-tile rows ``r0 .. r0 + n2 - 1`` of K stage ``stage`` (smem, (row, d))
-        into rows ``0 .. n2 - 1`` of cache page ``page2`` (``mKc``: (row, d, head, page)),
-        by the 32 lanes of the producer warp: element-wise, or with ``vec_straddle`` 8
-        elements (16 bytes) of one row a lane an iteration."""
+    def _straddle(self, mC, sX, stage, r0, n2, h, page2, lane, d_first: cutlass.Constexpr):
+        """Copy fresh-tile rows ``r0 .. r0 + n2 - 1`` of K or V stage ``stage`` (smem
+        ``sX``) into rows ``0 .. n2 - 1`` of cache page ``page2`` (``mC``: (row, d, head,
+        page) for K, ``d_first`` (d, row, head, page) for V), by the 32 lanes of the
+        producer warp: element-wise, or with ``vec_straddle`` 8 elements (16 bytes) of one
+        row a lane an iteration."""
         D = self.head_dim
         if cutlass.const_expr(self.vec_straddle):
             V8 = D // 8
             for i in cutlass.range(lane, n2 * V8, 32, unroll=1):
                 r = i // V8
                 ch = i - r * V8
-                src = cute.local_tile(sK[r0 + r, None, stage], (8,), (ch,))
-                dst = cute.local_tile(mKc[r, None, h, page2], (8,), (ch,))
+                src = cute.local_tile(sX[self._row_d(r0 + r, None, d_first) + (stage,)],
+                                      (8,), (ch,))
+                dst = cute.local_tile(mC[self._row_d(r, None, d_first) + (h, page2)],
+                                      (8,), (ch,))
                 dst.store(src.load())
         else:
             for i in cutlass.range(lane, n2 * D, 32, unroll=1):
                 r = i // D
                 c = i - r * D
-                mKc[r, c, h, page2] = sK[r0 + r, c, stage]
-
-    @cute.jit
-    def _straddle_v(self, mVc, sV, stage, r0, n2, h, page2, lane):
-        """``_straddle_k`` for V: smem (d, row), cache ``mVc`` (d, row, head, page)."""
-        D = self.head_dim
-        if cutlass.const_expr(self.vec_straddle):
-            V8 = D // 8
-            for i in cutlass.range(lane, n2 * V8, 32, unroll=1):
-                r = i // V8
-                ch = i - r * V8
-                src = cute.local_tile(sV[None, r0 + r, stage], (8,), (ch,))
-                dst = cute.local_tile(mVc[None, r, h, page2], (8,), (ch,))
-                dst.store(src.load())
-        else:
-            for i in cutlass.range(lane, n2 * D, 32, unroll=1):
-                r = i // D
-                c = i - r * D
-                mVc[c, r, h, page2] = sV[c, r0 + r, stage]
+                mC[self._row_d(r, c, d_first) + (h, page2)] = sX[
+                    self._row_d(r0 + r, c, d_first) + (stage,)]
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):
