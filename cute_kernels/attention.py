@@ -216,6 +216,22 @@ def check_pin_pv_wait(pin_pv_wait):
     return None if pin == PIN_PV_WAIT_DEFAULT else pin
 
 
+#: head size of the only kernels with the 16-byte straddle copy
+VEC_STRADDLE_HEAD_DIM = 128
+
+
+def check_vec_straddle(vec_straddle, head_dim: int):
+    """``vec_straddle`` as plans of head size ``head_dim`` will use it: ``"auto"``, True or
+    False; False at any head size but ``VEC_STRADDLE_HEAD_DIM`` (those kernels keep the
+    element-wise copy, so "auto" would compile one kernel twice)."""
+    if isinstance(vec_straddle, str):
+        if vec_straddle != "auto":
+            raise ValueError(f"vec_straddle={vec_straddle!r}: use 'auto', True or False")
+    else:
+        vec_straddle = bool(vec_straddle)
+    return vec_straddle if int(head_dim) == VEC_STRADDLE_HEAD_DIM else False
+
+
 def _or_default(checked, default: bool) -> bool:
     """The kernel's flag for a checked option (``check_pingpong``, ``check_pin_pv_wait``:
     None means the default)."""
@@ -430,7 +446,7 @@ class DevicePlan:
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
                  kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None,
-                 vec_straddle: bool = False, skip_idle: bool = False):
+                 vec_straddle="auto", skip_idle: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -454,9 +470,16 @@ class DevicePlan:
         #: steady-state PV wait pinned after the softmax (None: the default,
         #: ``PIN_PV_WAIT_DEFAULT``; see ``check_pin_pv_wait``)
         self.pin_pv_wait = check_pin_pv_wait(pin_pv_wait)
-        #: fused-writeback kernels whose straddle copy moves 16 bytes a lane (an
-        #: experiment: ``IonAttentionSm90(vec_straddle=True)``; plain kernels ignore it)
-        self.vec_straddle = bool(vec_straddle)
+        #: the straddle copy of the fused-writeback kernels: ``"auto"`` (the default) runs
+        #: the kernels whose copy moves 16-byte chunks (``IonAttentionSm90(vec_straddle=
+        #: True)``) for a plan with a straddling fresh tile (``Plan.straddles``) and the
+        #: element-wise ones otherwise (on the H200 the 16-byte kernels were 1-3% slower
+        #: on steps without a straddle, 2-28% faster on steps with one: bench/notes.md,
+        #: eighteenth session); True / False: always / never.  Head size 128 only (the
+        #: D = 64 producer would spill), so other head sizes never run them.
+        self.vec_straddle_mode = check_vec_straddle(vec_straddle, head_dim)
+        #: what the next fused launch of this plan runs (set by ``upload`` under "auto")
+        self.vec_straddle = self.vec_straddle_mode is True
         #: 128- and 192-row kernels whose idle consumer warpgroups issue no wgmma (an
         #: experiment: ``IonAttentionSm90(skip_idle=True)``; 64-row plans ignore it)
         self.skip_idle = bool(skip_idle)
@@ -548,6 +571,8 @@ class DevicePlan:
         self.host = host_plan
         self.fresh_kv = bool(getattr(host_plan, "fresh_kv", False))
         self.unpacked = bool(getattr(host_plan, "unpacked", False))
+        if self.vec_straddle_mode == "auto":
+            self.vec_straddle = bool(getattr(host_plan, "straddles", False))
         return self
 
 
@@ -560,7 +585,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
                      pin_pv_wait=None, refine_balance: bool = True,
-                     split_unpacked: bool = True, vec_straddle: bool = False,
+                     split_unpacked: bool = True, vec_straddle="auto",
                      skip_idle: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
@@ -590,10 +615,11 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``refine``), for A/B runs.
     ``split_unpacked=False``: unpacked items never split (planner ``split_unpacked``; the
     planner before v18), for A/B runs.
-    ``vec_straddle=True``: a fused call runs the kernels with the vectorized straddle copy
-    (an experiment until GPU-tested).
+    ``vec_straddle``: ``"auto"`` (the default): a fused call runs the kernels whose
+    straddle copy moves 16-byte chunks when the plan has a straddling fresh tile, the
+    element-wise ones otherwise; True / False: always / never (``DevicePlan``).
     ``skip_idle=True``: 128/192-row plans run the kernels whose idle consumer warpgroups
-    issue no wgmma (an experiment until GPU-tested)."""
+    issue no wgmma (an experiment: correct, and 20-30% slower on the H200)."""
     import numpy as np
 
     from .planner import plan as host_plan_fn
@@ -777,7 +803,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
                kv_pair: bool = False, kv_stages=None, pingpong=None,
-               pin_pv_wait=None, vec_straddle: bool = False,
+               pin_pv_wait=None, vec_straddle="auto",
                skip_idle: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
@@ -792,7 +818,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
     ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
     ``pin_pv_wait``: the kernels with / without the pinned PV wait (plans with it).
-    ``vec_straddle``: the fused kernels' vectorized straddle copy (plans with it).
+    ``vec_straddle``: the fused kernels' 16-byte straddle copy: True / False those kernels
+    only, ``"auto"`` (the default, as ``DevicePlan``) both (``check_vec_straddle``).
     ``skip_idle``: the 128/192-row kernels whose idle warpgroups skip wgmma (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel
@@ -802,6 +829,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     kinds = (consumers,) if isinstance(consumers, int) else tuple(consumers)
     lz = bool(lazy_rescale)
     pin = check_pin_pv_wait(pin_pv_wait)
+    vs_mode = check_vec_straddle(vec_straddle, head_dim)
+    vs_kinds = (False, True) if vs_mode == "auto" else (vs_mode,)
     for c in sorted(set(_check_consumers(c) for c in kinds)):
         # with kv_pair every 128-row plan runs the page-pair kernels, so only those
         pair = bool(kv_pair) and c == 2
@@ -811,7 +840,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
             si = bool(skip_idle) and c >= 2
             _compiled(variant, u, c, lz, pair, stages, pp, pin, si)
             if fused:
-                _compiled_fused(variant, u, c, lz, pair, stages, pp, pin, bool(vec_straddle),
-                                si)
+                for vs in vs_kinds:
+                    _compiled_fused(variant, u, c, lz, pair, stages, pp, pin, vs, si)
     _compiled_combine(variant, "lanes" if lane_combine else bool(row_combine), pdl_combine)
     _compiled_kernel(dtype, head_dim, num_kv_heads, page_size, slot_dtype)

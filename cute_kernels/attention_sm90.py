@@ -42,7 +42,9 @@ When valid rows reach into the next page, the producer warp copies those rows (t
 ``P - pos % P ..``) into rows ``0 ..`` of that page with plain stores: a TMA store there would
 need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``).
 Only prefill chunks whose context is not page-aligned straddle; decode tiles never do.
-(``vec_straddle=True``, D = 128: that copy moves 16 bytes a lane instead of one element.)
+(``vec_straddle=True``, D = 128: that copy moves 16-byte chunks, ``STRADDLE_BATCH`` loads
+then as many stores a lane an iteration, instead of one element; ``DevicePlan`` runs
+these kernels for plans with a straddling tile and the element-wise ones otherwise.)
 Before a stage is refilled the producer waits for the store that read it
 (``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
@@ -118,6 +120,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 TILE_M = 64
+#: 16-byte chunks a producer lane loads before it stores them (``vec_straddle``)
+STRADDLE_BATCH = 4
 #: lazy_rescale: a row's running max moves only when a page raises it by more than this many
 #: log2 units of the scaled score (P <= 2^8 in between; the threshold FA4 uses)
 LAZY_RESCALE_LOG2 = 8.0
@@ -183,8 +187,9 @@ class IonAttentionSm90:
         # Compile-time: with False the generated code is the plain paged-attention kernel.
         self.fresh_kv = bool(fresh_kv)
         # fresh_kv only: the straddle copy (the rows of a fresh tile that reach into the
-        # next page) moves 16 bytes a lane an iteration (8 elements of one row) instead
-        # of one element; with False the generated code is the element-wise copy.  D = 128
+        # next page) moves STRADDLE_BATCH 16-byte chunks (8 elements of a row each) a lane
+        # an iteration instead of one element; with False the generated code is the
+        # element-wise copy.  D = 128
         # only: at D = 64 the 40-register producer spills with the 128-bit copy, so those
         # variants keep the element-wise one (tests/test_fused_writeback_cpu.py)
         self.vec_straddle = bool(vec_straddle) and self.fresh_kv and head_dim == 128
@@ -1308,15 +1313,27 @@ class IonAttentionSm90:
         row a lane an iteration."""
         D = self.head_dim
         if cutlass.const_expr(self.vec_straddle):
+            # a lane moves STRADDLE_BATCH 16-byte chunks an iteration: all loads, then all
+            # stores, so the shared-memory latency is paid once a batch (a load and its
+            # store one after the other left the loop latency-bound: ~1.5 us a K or V
+            # straddle on the H200).  Chunk indices past the end are clamped to the last
+            # chunk: the clamped lanes store the same 16 bytes to the same place again.
             V8 = D // 8
-            for i in cutlass.range(lane, n2 * V8, 32, unroll=1):
-                r = i // V8
-                ch = i - r * V8
-                src = cute.local_tile(sX[self._row_d(r0 + r, None, d_first) + (stage,)],
-                                      (8,), (ch,))
-                dst = cute.local_tile(mC[self._row_d(r, None, d_first) + (h, page2)],
-                                      (8,), (ch,))
-                dst.store(src.load())
+            n = n2 * V8
+            for i0 in cutlass.range(lane, n, 32 * STRADDLE_BATCH, unroll=1):
+                vals = []
+                for j in cutlass.range_constexpr(STRADDLE_BATCH):
+                    i = cutlass.min(i0 + 32 * j, n - 1)
+                    r = i // V8
+                    src = cute.local_tile(sX[self._row_d(r0 + r, None, d_first) + (stage,)],
+                                          (8,), (i - r * V8,))
+                    vals.append(src.load())
+                for j in cutlass.range_constexpr(STRADDLE_BATCH):
+                    i = cutlass.min(i0 + 32 * j, n - 1)
+                    r = i // V8
+                    dst = cute.local_tile(mC[self._row_d(r, None, d_first) + (h, page2)],
+                                          (8,), (i - r * V8,))
+                    dst.store(vals[j])
         else:
             for i in cutlass.range(lane, n2 * D, 32, unroll=1):
                 r = i // D

@@ -133,6 +133,21 @@ def kv_units(ctx, last_new_token, page_size: int = 64):
     return -(-ctx // page_size) + last // page_size + 1
 
 
+def fresh_tiles_straddle(query_start_loc, seq_lens, page_size: int = 64) -> bool:
+    """Whether the fused writeback of this batch has a fresh tile whose valid rows reach
+    into a second cache page (docs/contract.md, "Stores"): a request with new tokens whose
+    context ``ctx = seq_len - q_len`` is not a page multiple and whose tokens run past
+    the end of the page ``ctx`` lies in.  Fresh tile ``k`` starts at ``ctx + k*P``, so
+    every fresh tile of such a request but possibly its last straddles; a decode row (one
+    token, in ctx's page) never does.  Pure function of the host lengths."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    sl = np.asarray(seq_lens, dtype=np.int64)
+    q_len = np.diff(qsl)
+    ctx = sl - q_len
+    return bool(np.any((q_len > 0) & (ctx % page_size != 0)
+                       & (sl > (ctx // page_size + 1) * page_size)))
+
+
 def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64, q_head=None):
     """Writeback ownership rule of the fused kernel (``attention_sm90`` uses the same test):
     fresh tile ``k`` of (request, KV head) is written to the cache by the item whose q tile
@@ -308,6 +323,9 @@ class Plan:
     # MMA rows of a q tile: 64 (IonAttentionSm90 default) or 128 (consumers=2 variant);
     # packed tiles hold tile_m // Gp tokens, unpacked tiles tile_m tokens
     tile_m: int = 64
+    # True: a fresh_kv plan where some request's fresh tiles straddle two cache pages
+    # (``fresh_tiles_straddle``), i.e. its writeback copies rows past a page boundary
+    straddles: bool = False
 
     @property
     def n_items(self) -> int:
@@ -781,6 +799,7 @@ def plan(
         fresh_kv=bool(fresh_kv),
         unpacked=bool(unpacked_prefill),
         tile_m=tile_m,
+        straddles=bool(fresh_kv) and fresh_tiles_straddle(qsl, sl, page_size),
     )
 
 

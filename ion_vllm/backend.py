@@ -110,17 +110,20 @@ KV_PAIR_ENV = "ION_KV_PAIR"
 #: (``IonAttentionSm90(pin_pv_wait=True)``): ptxas otherwise moves that wait above the
 #: softmax, so a warpgroup's softmax never overlaps its own PV (bench/notes.md, v16).
 PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
-#: ``ION_VEC_STRADDLE`` (default 0 until GPU-tested): the fused-writeback kernels copy the
-#: fresh-tile rows that reach into the next cache page 16 bytes a lane instead of one
-#: element (``IonAttentionSm90(vec_straddle=True)``).  Every fresh tile of a prefill chunk
-#: whose context is not a page multiple straddles, and the element-wise copy stalls the
-#: producer warp for ~500 iterations a tile (bench/notes.md, seventeenth session).
+#: ``ION_VEC_STRADDLE`` (default ``auto``): how the fused-writeback kernels copy the
+#: fresh-tile rows that reach into the next cache page.  Every fresh tile of a prefill chunk
+#: whose context is not a page multiple straddles (in vLLM nearly every continuing chunk),
+#: and the element-wise copy stalled the producer warp for ~500 iterations a tile: the
+#: engine's prefill steps ran 1.4x FA3's time (bench/notes.md, seventeenth and eighteenth
+#: sessions).  ``auto`` runs the 16-byte-chunk copy (``IonAttentionSm90(vec_straddle=True)``)
+#: on steps with a straddling tile and the element-wise kernels on the others (they were
+#: 1-3% faster there); ``1`` / ``0``: always / never.  Head size 128 only.
 VEC_STRADDLE_ENV = "ION_VEC_STRADDLE"
-#: ``ION_SKIP_IDLE`` (default 0 until GPU-tested): on the 128- and 192-row kernels a consumer
-#: warpgroup whose rows hold no token of an item (every decode row's tile: 7 of 128 or 192
-#: rows are real) issues no wgmma for it (``IonAttentionSm90(skip_idle=True)``), so decode
-#: rows in prefill-carrying steps stream at memory speed instead of paying 2-3 warpgroups'
-#: MMAs a page (bench/notes.md, seventeenth session).
+#: ``ION_SKIP_IDLE`` (default 0, an experiment that lost): on the 128- and 192-row kernels a
+#: consumer warpgroup whose rows hold no token of an item (every decode row's tile: 7 of 128
+#: or 192 rows are real) issues no wgmma for it (``IonAttentionSm90(skip_idle=True)``).
+#: Correct on the H200 (GPU tests), but every engine step of suite ``engine`` ran 20-30%
+#: slower with it (bench/notes.md, eighteenth session), so it stays off.
 SKIP_IDLE_ENV = "ION_SKIP_IDLE"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
@@ -259,8 +262,16 @@ def skip_idle() -> bool:
     return _switch(SKIP_IDLE_ENV, "idle consumer warpgroups skip their wgmma")
 
 
-def vec_straddle() -> bool:
-    return _switch(VEC_STRADDLE_ENV, "vectorized straddle copy of the fused writeback")
+def vec_straddle():
+    """``ION_VEC_STRADDLE`` as a ``DevicePlan(vec_straddle=)`` value: "auto" (unset or
+    ``auto``), True (``1``) or False (``0``)."""
+    v = os.environ.get(VEC_STRADDLE_ENV, "auto").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v not in ("0", "1", "false", "true"):
+        raise ValueError(f"{VEC_STRADDLE_ENV}={v!r}: use auto (the 16-byte straddle copy on "
+                         f"steps with a straddling tile), 1 (always) or 0 (never)")
+    return v in ("1", "true")
 
 
 def pin_pv_wait() -> bool:
@@ -408,13 +419,16 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.pin_pv_wait:
             logger.info_once("ION: PV wait pinned after the softmax (%s=1, an experiment)",
                              PIN_PV_WAIT_ENV)
-        #: the fused kernels' vectorized straddle copy (off by default until GPU-tested)
-        self.vec_straddle = vec_straddle() and self.fresh_kv
-        if self.vec_straddle:
-            # the D = 64 kernels keep the element-wise copy (IonAttentionSm90 drops the flag)
-            logger.info_once("ION: vectorized straddle copy (%s=1, an experiment; head "
-                             "size 128 only)", VEC_STRADDLE_ENV)
-        #: 128/192-row kernels whose idle warpgroups skip wgmma (off until GPU-tested)
+        #: the fused kernels' straddle copy: "auto" (default), True or False
+        #: (``DevicePlan(vec_straddle=)``; head size 128 only, others keep the element-wise
+        #: copy)
+        from cute_kernels.attention import check_vec_straddle
+        self.vec_straddle = (check_vec_straddle(vec_straddle(), kv_cache_spec.head_size)
+                             if self.fresh_kv else False)
+        if self.vec_straddle is not False:
+            logger.info_once("ION: 16-byte straddle copy of the fused writeback (%s=%s)",
+                             VEC_STRADDLE_ENV, self.vec_straddle)
+        #: 128/192-row kernels whose idle warpgroups skip wgmma (an experiment that lost; off)
         self.skip_idle = skip_idle()
         if self.skip_idle:
             logger.info_once("ION: idle consumer warpgroups skip their MMAs (%s=1, an "

@@ -348,7 +348,10 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
                    split_unpacked_items=int(((plan.host.work[:, 7] > 1)
                                              & (plan.host.work[:, 8] >= 0)).sum())
                    if plan.num_items else 0,
-                   partial_rows=int(plan.host.partial_rows))
+                   partial_rows=int(plan.host.partial_rows),
+                   # the fused launch runs the 16-byte straddle-copy kernels (the default
+                   # "auto" picks them for plans with a straddling fresh tile)
+                   vec_straddle=bool(fused and getattr(plan, "vec_straddle", False)))
 
         if fused:
             orig_k, orig_v = kc.clone(), vc.clone()
@@ -449,6 +452,7 @@ def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
         "cases_with_unpacked_tiles": sum(1 for r in results if r.get("unpacked_items", 0) > 0),
         "cases_with_split_unpacked": sum(1 for r in results
                                          if r.get("split_unpacked_items", 0) > 0),
+        "cases_vec_straddle": sum(1 for r in results if r.get("vec_straddle")),
         "verdict": "PASS" if not failed else "FAIL",
     }
 

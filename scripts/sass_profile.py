@@ -136,7 +136,8 @@ def loop_mix(sass: str) -> dict | None:
 
 def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool,
                   kv_pair: bool = False, fused: bool = False, pingpong=None,
-                  kv_stages=None, pin_pv_wait=None) -> str:
+                  kv_stages=None, pin_pv_wait=None, vec_straddle: bool = False,
+                  skip_idle: bool = False) -> str:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass.cute as cute
 
@@ -147,11 +148,12 @@ def compile_cubin(variant_index: int, unpacked: bool, consumers: int, lazy: bool
     d = tempfile.mkdtemp(prefix="ion_sass_")
     if fused:
         kernel = attention.make_fused_kernel(v, unpacked, consumers, lazy, kv_pair,
-                                             kv_stages, pingpong, pin_pv_wait)
+                                             kv_stages, pingpong, pin_pv_wait,
+                                             vec_straddle=vec_straddle, skip_idle=skip_idle)
         args = attention.fused_fake_args(v, unpacked)
     else:
         kernel = attention.make_kernel(v, unpacked, consumers, lazy, kv_pair, kv_stages,
-                                       pingpong, pin_pv_wait)
+                                       pingpong, pin_pv_wait, skip_idle=skip_idle)
         args = attention.fake_args(v, unpacked)
     cute.compile(kernel, *args,
                  options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-cubin --dump-dir {d}")
@@ -176,6 +178,11 @@ def main(argv=None) -> int:
                          "default)")
     ap.add_argument("--kv-stages", type=int, default=None,
                     help="K/V stages of a --consumers 2 kernel (default: the default)")
+    ap.add_argument("--vec-straddle", action="store_true",
+                    help="the fused kernel's 16-byte straddle copy (needs --fused)")
+    ap.add_argument("--skip-idle", action="store_true",
+                    help="idle consumer warpgroups issue no wgmma (needs --consumers >= 2)")
+    ap.add_argument("--dump", default=None, help="also write the full SASS listing here")
     ap.add_argument("--loop-mix", action="store_true",
                     help="also print the opcode mix of the main loop (loop_mix)")
     ap.add_argument("--sass-file", default=None,
@@ -194,9 +201,13 @@ def main(argv=None) -> int:
                           args.kv_pair, args.fused,
                           None if args.pingpong is None else args.pingpong == "on",
                           args.kv_stages,
-                          None if args.pin_pv_wait is None else args.pin_pv_wait == "on")
+                          None if args.pin_pv_wait is None else args.pin_pv_wait == "on",
+                          args.vec_straddle, args.skip_idle)
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(sass)
     print_profile(sass, args.loop_mix)
     return 0
 

@@ -822,19 +822,29 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
 
 
 def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch):
-    """ION_VEC_STRADDLE=1 (fused writeback on): every DevicePlan of the builder runs the
-    fused kernels with the vectorized straddle copy; off by default and without fused
-    writeback; a bad value is refused."""
+    """ION_VEC_STRADDLE (fused writeback on): unset or ``auto`` gives every DevicePlan of
+    the builder the per-step choice, 1 / 0 pin the 16-byte / element-wise copy; without
+    fused writeback there is no straddle copy; a bad value is refused."""
     import ion_vllm.backend as backend_mod
 
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     cfg = make_config("--max-num-seqs", "8")
-    monkeypatch.delenv(backend_mod.VEC_STRADDLE_ENV, raising=False)
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    assert b.fresh_kv and not b.vec_straddle and not b.plan.vec_straddle
-    monkeypatch.setenv(backend_mod.VEC_STRADDLE_ENV, "1")
-    b = IonAttentionMetadataBuilder(kv_spec(), [], cfg, torch.device("cpu"))
-    plans = [p for p in (b.plan, b.plan128, b.plan192) if p is not None]
-    assert b.vec_straddle and len(plans) >= 2 and all(p.vec_straddle for p in plans)
+    spec128 = FullAttentionSpec(block_size=P, num_kv_heads=HKV, head_size=128,
+                                dtype=torch.bfloat16)
+    for env, want in ((None, "auto"), ("auto", "auto"), ("1", True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv(backend_mod.VEC_STRADDLE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(backend_mod.VEC_STRADDLE_ENV, env)
+        b = IonAttentionMetadataBuilder(spec128, [], cfg, torch.device("cpu"))
+        plans = [p for p in (b.plan, b.plan128, b.plan192) if p is not None]
+        assert b.fresh_kv and b.vec_straddle == want and len(plans) >= 2
+        assert all(p.vec_straddle_mode == want and p.vec_straddle is (want is True)
+                   for p in plans), env
+        # head size 64 has only the element-wise copy, whatever the switch says
+        assert IonAttentionMetadataBuilder(kv_spec(), [], cfg,
+                                           torch.device("cpu")).vec_straddle is False
     monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "0")
     assert not IonAttentionMetadataBuilder(kv_spec(), [], cfg,
                                            torch.device("cpu")).vec_straddle

@@ -378,10 +378,12 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
         calls.clear()
         attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                              consumers=(1, 2), lane_combine=True, kv_pair=kv_pair)
-        # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
+        # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait); the
+        # fused kernels twice, element-wise and 16-byte straddle copy (vec_straddle="auto")
+        base = [(kind, u, c, False, kv_pair and c == 2, None, None, None)
+                for kind in ("attn", "fused") for u in (False, True) for c in (1, 2)]
         assert sorted(calls) == sorted(
-            (kind, u, c, False, kv_pair and c == 2, None, None, None)
-            for kind in ("attn", "fused") for u in (False, True) for c in (1, 2))
+            base + [k + (True, False) for k in base if k[0] == "fused"])
 
 
 def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
@@ -403,3 +405,67 @@ def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
                      ("fused", False, 1, False, False, None, None, None, True, False),
                      ("attn", False, 3, False, False, None, None, None, True),
                      ("fused", False, 3, False, False, None, None, None, True, True)]
+    # vec_straddle="auto" (the default) compiles both copies of each fused kernel, False
+    # only the element-wise one; at head size 64 "auto" is False (no 16-byte kernels)
+    for vs, d, want in (("auto", 128, [False, True]), (False, 128, [False]),
+                        ("auto", 64, [False])):
+        calls.clear()
+        attention.precompile(torch.bfloat16, d, 28, 4, 64, fused=True, consumers=(1,),
+                             vec_straddle=vs)
+        assert [k[8] if len(k) > 8 else False for k in calls if k[0] == "fused"] == want
+
+
+def test_auto_vec_straddle_follows_each_uploaded_plan(monkeypatch):
+    """DevicePlan(vec_straddle="auto"): a fused launch runs the 16-byte straddle kernels
+    exactly for the plans with a straddling fresh tile (a chunk continuing at a context
+    that is not a page multiple), element-wise ones for the others; True / False pin it;
+    the plain (attention-only) kernels have no such copy and never change."""
+    import torch
+
+    from cute_kernels import planner
+
+    seen = []
+
+    def fake(kind):
+        def get(*key):
+            seen.append(compile_key(kind, key))
+            return lambda *a: None
+        return get
+
+    monkeypatch.setattr(attention, "_compiled", fake("attn"))
+    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
+    monkeypatch.setattr(attention, "_compiled_combine", lambda *a: (lambda *b: None))
+    monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
+    steps = [  # (query_start_loc, seq_lens, straddles)
+        ([0, 300], [300], False),                  # fresh prompt: ctx 0
+        ([0, 300], [300 + 1023], True),            # continuing at ctx 1023
+        ([0, 1, 301], [5000, 300 + 1024], False),  # decode + chunk at a page multiple
+        ([0, 1, 2], [5001, 77], False),            # decodes only
+        ([0, 20, 21], [20 + 1000, 99], False),     # chunk ends inside ctx's page
+        ([0, 100, 101], [100 + 1000, 99], True),   # ...and one that runs past it
+    ]
+    q = torch.zeros(300, 28, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(300, 4, 128, dtype=torch.bfloat16)
+    for mode in ("auto", True, False):
+        dp = attention.DevicePlan(item_capacity=4096, group_capacity=4096,
+                                  partial_rows_capacity=1 << 16, num_ctas=132,
+                                  head_dim=128, device="cpu", vec_straddle=mode)
+        for qsl, sl, straddles in steps:
+            hp = planner.plan(np.array(qsl, np.int32), np.array(sl, np.int32),
+                              num_kv_heads=4, group_size=7, num_ctas=132, fresh_kv=True)
+            assert hp.straddles is straddles
+            assert planner.fresh_tiles_straddle(qsl, sl) is straddles
+            seen.clear()
+            attention.ion_attention(q, None, None, q, None, None, None, 0.1,
+                                    plan=dp.upload(hp), key=kv, value=kv)
+            want = straddles if mode == "auto" else mode
+            assert seen == [("fused", False, 1, False, False, None, None, None)
+                            + ((True, False) if want else ())], (mode, qsl, sl)
+        # an attention-only plan never straddles (its kernels read new K/V from the cache)
+        assert not planner.plan(np.array([0, 300], np.int32), np.array([1323], np.int32),
+                                num_kv_heads=4, group_size=7).straddles
+    # head size 64 has no 16-byte kernels: "auto" and True both run the element-wise copy
+    assert attention.check_vec_straddle("auto", 64) is False
+    assert attention.check_vec_straddle(True, 64) is False
+    with pytest.raises(ValueError, match="vec_straddle"):
+        attention.check_vec_straddle("yes", 128)

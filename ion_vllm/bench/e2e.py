@@ -84,8 +84,10 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+noreuse": {"ION_PLAN_REUSE": "0"},
     # decode-only steps recut the last decode plan (ION_PLAN_REPAGE, opt-in)
     "ION+repage": {"ION_PLAN_REPAGE": "1"},
-    # the fused kernels' vectorized straddle copy (ION_VEC_STRADDLE, an experiment)
+    # the fused kernels' straddle copy: 16-byte chunks always / element-wise always (the
+    # default, ION_VEC_STRADDLE=auto, picks per step)
     "ION+vs": {"ION_VEC_STRADDLE": "1"},
+    "ION+novs": {"ION_VEC_STRADDLE": "0"},
     # idle consumer warpgroups skip their wgmma (ION_SKIP_IDLE, an experiment), and both
     "ION+si": {"ION_SKIP_IDLE": "1"},
     "ION+vs+si": {"ION_VEC_STRADDLE": "1", "ION_SKIP_IDLE": "1"},

@@ -34,7 +34,8 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-pp", "ion-auto-fused-pp", "ion-auto-np", "ion-auto-fused-np",
             "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
             "ion-auto-nsu", "ion-auto-fused-nsu", "ion-auto-fused-t128",
-            "ion-auto-fused-t192", "ion-auto-fused-vs", "ion-auto-fused-si", "ion-auto-fused-vs-si",
+            "ion-auto-fused-t192", "ion-auto-fused-vs", "ion-auto-fused-novs", "ion-auto-fused-si",
+            "ion-auto-fused-vs-si",
             "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
@@ -155,13 +156,25 @@ def _ion_plan(case: Case, device, **plan_options):
                             **plan_options)
 
 
+def stale_cache(shape, dtype, device):
+    """A paged cache whose every slot holds a finite value before the case's K/V are
+    written into it, as in a serving engine: vLLM allocates the cache zeroed and a slot
+    then only ever holds K/V of earlier requests.  Slots past a request's seq_len in its
+    last page are read by the kernels (masked), and with ``torch.empty`` they held
+    whatever freed memory held, NaN bit patterns included: 0 * NaN in P V made some
+    outputs non-finite (H200, session 18) although no valid key was wrong.  Random, not
+    zero, so that a kernel that used such a slot unmasked would be visibly wrong."""
+    import torch
+    return torch.empty(shape, dtype=dtype, device=device).normal_()
+
+
 def ion_cache(case: Case, rot: int, device):
     """q, K/V views of ION's vLLM cache ``[num_blocks, 2, Hkv, P, D]`` and the block table."""
     import torch
     P = case.ion_page
     q, k_log, v_log = logical_qkv(case, rot, device)
     bt_np, tp, to, n_pages = page_assignment(case, P, rot)
-    cache = torch.empty((n_pages, 2, case.hkv, P, case.d), dtype=q.dtype, device=device)
+    cache = stale_cache((n_pages, 2, case.hkv, P, case.d), q.dtype, device)
     k, v = cache[:, 0], cache[:, 1]
     tp_t = torch.from_numpy(tp).to(device)
     to_t = torch.from_numpy(to).to(device)
@@ -178,7 +191,7 @@ def fa_cache(case: Case, rot: int, device):
     P = case.fa_page
     q, k_log, v_log = logical_qkv(case, rot, device)
     bt_np, tp, to, n_pages = page_assignment(case, P, rot)
-    cache = torch.empty((2, n_pages, P, case.hkv, case.d), dtype=q.dtype, device=device)
+    cache = stale_cache((2, n_pages, P, case.hkv, case.d), q.dtype, device)
     slot = torch.from_numpy(tp * P + to).to(device)
     cache[0].view(n_pages * P, case.hkv, case.d)[slot] = k_log
     cache[1].view(n_pages * P, case.hkv, case.d)[slot] = v_log
@@ -193,7 +206,7 @@ def triton_cache(case: Case, rot: int, device):
     P = case.fa_page
     q, k_log, v_log = logical_qkv(case, rot, device)
     bt_np, tp, to, n_pages = page_assignment(case, P, rot)
-    cache = torch.empty((n_pages, P, case.hkv, 2 * case.d), dtype=q.dtype, device=device)
+    cache = stale_cache((n_pages, P, case.hkv, 2 * case.d), q.dtype, device)
     slot = torch.from_numpy(tp * P + to).to(device)
     flat = cache.view(n_pages * P, case.hkv, 2 * case.d)
     flat[slot, :, :case.d] = k_log
@@ -661,10 +674,16 @@ def prepare_ion_auto_fused_t192(case: Case, rot: int, device, shared: dict) -> P
 
 
 def prepare_ion_auto_fused_vs(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto-fused`` on the kernels whose straddle copy moves 16 bytes a lane
-    (``ION_VEC_STRADDLE=1``; an experiment): differs only where a prefill row's context is
-    not a page multiple (suite ``engine``)."""
+    """``ion-auto-fused`` always on the kernels whose straddle copy moves 16-byte chunks
+    (``ION_VEC_STRADDLE=1``); the default (``auto``) runs them only on steps with a
+    straddling fresh tile (a prefill row whose context is not a page multiple)."""
     return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=True)
+
+
+def prepare_ion_auto_fused_novs(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused`` always on the element-wise straddle copy (``ION_VEC_STRADDLE=0``;
+    the default before the eighteenth session)."""
+    return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=False)
 
 
 def prepare_ion_auto_fused_si(case: Case, rot: int, device, shared: dict) -> Prepared:
@@ -699,6 +718,7 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-fused-t128": prepare_ion_auto_fused_t128,
            "ion-auto-fused-t192": prepare_ion_auto_fused_t192,
            "ion-auto-fused-vs": prepare_ion_auto_fused_vs,
+           "ion-auto-fused-novs": prepare_ion_auto_fused_novs,
            "ion-auto-fused-si": prepare_ion_auto_fused_si,
            "ion-auto-fused-vs-si": prepare_ion_auto_fused_vs_si,
            "ion-unpacked": prepare_ion_unpacked,
