@@ -123,7 +123,8 @@ VEC_STRADDLE_ENV = "ION_VEC_STRADDLE"
 #: consumer warpgroup whose rows hold no token of an item (every decode row's tile: 7 of 128
 #: or 192 rows are real) issues no wgmma for it (``IonAttentionSm90(skip_idle=True)``).
 #: Correct on the H200 (GPU tests), but every engine step of suite ``engine`` ran 20-30%
-#: slower with it (bench/notes.md, eighteenth session), so it stays off.
+#: slower with it: with the wgmma inside branches ptxas serializes every wgmma of the kernel
+#: (bench/notes.md, eighteenth session), so it stays off.
 SKIP_IDLE_ENV = "ION_SKIP_IDLE"
 #: ``ION_LANE_COMBINE`` (default 1): split-KV partials are merged by the split-parallel
 #: combine (``CombineLanesSm90``: lane s of a row's warp loads split s, and every load of
