@@ -114,7 +114,7 @@ PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
 #: fresh-tile rows that reach into the next cache page.  Every fresh tile of a prefill chunk
 #: whose context is not a page multiple straddles (in vLLM nearly every continuing chunk),
 #: and the element-wise copy stalled the producer warp for ~500 iterations a tile: the
-#: engine's prefill steps ran 1.4x FA3's time (bench/notes.md, seventeenth and eighteenth
+#: engine's prefill steps ran up to 1.4x FA3's time (bench/notes.md, seventeenth and eighteenth
 #: sessions).  ``auto`` runs the 16-byte-chunk copy (``IonAttentionSm90(vec_straddle=True)``)
 #: on steps with a straddling tile and the element-wise kernels on the others (they were
 #: 1-3% faster there); ``1`` / ``0``: always / never.  Head size 128 only.
