@@ -74,6 +74,17 @@ def runs(sass: str) -> tuple[str, dict[str, int]]:
     return " ".join(out), totals
 
 
+def wgmma_waits(sass: str) -> tuple[int, int]:
+    """(HGMMA instructions, those that carry ``gsb0``).  A wgmma group ends with one
+    ``gsb0`` HGMMA that a ``WARPGROUP.DEPBAR`` waits on; when ptxas serializes wgmma (it
+    does when their issue sites sit inside branches, as with ``skip_idle``: bench/notes.md,
+    eighteenth session) every HGMMA carries ``gsb0`` and gets its own arrive and wait, so
+    each MMA waits for the one before."""
+    lines = [ln for ln in sass.splitlines()
+             if re.search(r"/\*[0-9a-f]{4,6}\*/", ln) and "HGMMA" in ln]
+    return len(lines), sum(1 for ln in lines if "gsb0" in ln)
+
+
 def _instructions(sass: str) -> tuple[list[str], dict[str, int]]:
     """The instructions of an nvdisasm listing (text up to ';') and each label's index."""
     ins: list[str] = []
@@ -216,14 +227,17 @@ def print_profile(sass: str, mix: bool) -> None:
     order, totals = runs(sass)
     print("totals:", " ".join(f"{k}={v}" for k, v in totals.items()))
     print("order:", order)
+    n, g = wgmma_waits(sass)
+    wg = f"wgmma: {g} of {n} HGMMA carry gsb0" + (" (serialized)" if n and g == n else "")
     if mix:
         lm = loop_mix(sass)
         if lm is None:
             print("loop mix: no loop with HGMMA and MUFU.EX2")
-            return
-        print(f"loop mix: {lm['len']} instructions ({lm['guarded']} behind forward "
-              f"branches), HGMMA {lm['hgmma']}")
-        print("  " + ", ".join(f"{k}:{v}" for k, v in lm["counts"].items()))
+        else:
+            print(f"loop mix: {lm['len']} instructions ({lm['guarded']} behind forward "
+                  f"branches), HGMMA {lm['hgmma']}")
+            print("  " + ", ".join(f"{k}:{v}" for k, v in lm["counts"].items()))
+    print(wg)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,28 @@ def test_default_prefill_kernel_loop_mix(capsys):
     assert int(mix["MUFU.EX2"]) == 34
     guarded = int(out[2].split("(")[1].split()[0])
     assert guarded >= 64  # 32 compares + 32 selects of the boundary mask
+
+
+def test_wgmma_waits_counts_group_ends():
+    assert sp.wgmma_waits(SASS) == (2, 0)
+    serial = SASS.replace("R24 ;", "R24, gsb0 ;").replace("RZ ;", "RZ, gsb0 ;")
+    assert sp.wgmma_waits(serial) == (2, 2)
+
+
+@pytest.mark.skipif(sp.find_nvdisasm() is None, reason="needs nvdisasm")
+def test_default_fused_kernels_keep_wgmma_groups(capsys):
+    """The 192-row fused kernels the engine's prefill steps run, with either straddle copy,
+    issue their wgmma in groups (one gsb0 a group: 4 of 24); the skip_idle experiment's
+    conditional issue sites make ptxas serialize all 24, which is why it lost 20-30% on
+    the H200 (bench/notes.md, eighteenth session)."""
+    base = ["--variant", "7", "--unpacked", "--consumers", "3", "--fused"]
+    seen = {}
+    for name, extra in (("default", []), ("vec", ["--vec-straddle"]),
+                        ("skip_idle", ["--skip-idle"])):
+        assert sp.main(base + extra) == 0
+        line = [ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("wgmma:")][0]
+        g, n = (int(x) for x in line.split()[1:4:2])
+        seen[name] = (g, n)
+    assert seen["default"] == seen["vec"] == (4, 24)
+    assert seen["skip_idle"] == (24, 24)
