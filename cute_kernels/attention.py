@@ -478,8 +478,6 @@ class DevicePlan:
         #: eighteenth session); True / False: always / never.  Head size 128 only (the
         #: D = 64 producer would spill), so other head sizes never run them.
         self.vec_straddle_mode = check_vec_straddle(vec_straddle, head_dim)
-        #: what the next fused launch of this plan runs (set by ``upload`` under "auto")
-        self.vec_straddle = self.vec_straddle_mode is True
         #: 128- and 192-row kernels whose idle consumer warpgroups issue no wgmma (an
         #: experiment: ``IonAttentionSm90(skip_idle=True)``; 64-row plans ignore it)
         self.skip_idle = bool(skip_idle)
@@ -571,9 +569,15 @@ class DevicePlan:
         self.host = host_plan
         self.fresh_kv = bool(getattr(host_plan, "fresh_kv", False))
         self.unpacked = bool(getattr(host_plan, "unpacked", False))
-        if self.vec_straddle_mode == "auto":
-            self.vec_straddle = bool(getattr(host_plan, "straddles", False))
         return self
+
+    @property
+    def vec_straddle(self) -> bool:
+        """Whether the next fused launch of this plan runs the 16-byte straddle-copy
+        kernels: ``vec_straddle_mode`` True, or "auto" and the uploaded plan straddles."""
+        if self.vec_straddle_mode == "auto":
+            return bool(getattr(self.host, "straddles", False))
+        return self.vec_straddle_mode
 
 
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, group_size: int,

@@ -315,13 +315,10 @@ def record_precompile(monkeypatch) -> list:
     return calls
 
 
-def record_launches(monkeypatch, tile_ms=(128,), **plan_options):
-    """Stub out the compiled kernels, then plan one 300-token prefill (28 q / 4 KV heads,
-    d 128) for every tile size in ``tile_ms`` with ``plan_options``, and launch it with and
-    without key/value.  Returns (the plans, the ``compile_key`` of every kernel the
-    launches asked for)."""
-    import torch
-
+def stub_launch_kernels(monkeypatch) -> list:
+    """Stub out the compiled attention kernels and ``check_inputs`` (inputs of 300 tokens,
+    28 q / 4 KV heads, d 128, 64-token pages) so that ``ion_attention`` runs on the CPU;
+    the returned list collects the ``compile_key`` of every kernel a launch asks for."""
     seen = []
 
     def fake(kind):
@@ -333,6 +330,17 @@ def record_launches(monkeypatch, tile_ms=(128,), **plan_options):
     monkeypatch.setattr(attention, "_compiled", fake("attn"))
     monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
     monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
+    return seen
+
+
+def record_launches(monkeypatch, tile_ms=(128,), **plan_options):
+    """Stub out the compiled kernels, then plan one 300-token prefill (28 q / 4 KV heads,
+    d 128) for every tile size in ``tile_ms`` with ``plan_options``, and launch it with and
+    without key/value.  Returns (the plans, the ``compile_key`` of every kernel the
+    launches asked for)."""
+    import torch
+
+    seen = stub_launch_kernels(monkeypatch)
     qsl, sl = np.array([0, 300], np.int32), np.array([300], np.int32)
     plans = []
     for tile_m in tile_ms:
@@ -424,18 +432,9 @@ def test_auto_vec_straddle_follows_each_uploaded_plan(monkeypatch):
 
     from cute_kernels import planner
 
-    seen = []
-
-    def fake(kind):
-        def get(*key):
-            seen.append(compile_key(kind, key))
-            return lambda *a: None
-        return get
-
-    monkeypatch.setattr(attention, "_compiled", fake("attn"))
-    monkeypatch.setattr(attention, "_compiled_fused", fake("fused"))
+    seen = stub_launch_kernels(monkeypatch)
+    # decode rows here are long enough to split: their combine must not run either
     monkeypatch.setattr(attention, "_compiled_combine", lambda *a: (lambda *b: None))
-    monkeypatch.setattr(attention, "check_inputs", lambda *a: (300, 28, 4, 128, 64))
     steps = [  # (query_start_loc, seq_lens, straddles)
         ([0, 300], [300], False),                  # fresh prompt: ctx 0
         ([0, 300], [300 + 1023], True),            # continuing at ctx 1023
