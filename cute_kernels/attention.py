@@ -218,6 +218,14 @@ def check_pin_pv_wait(pin_pv_wait):
 
 #: head size of the only kernels with the 16-byte straddle copy
 VEC_STRADDLE_HEAD_DIM = 128
+#: the fused kernels' straddle copy by default: the 16-byte one on every plan (head size
+#: 128).  Until the nineteenth session it was "auto" (16-byte only on plans with a
+#: straddling tile): the 16-byte kernels ran 1.5-2.5% slower where nothing straddles,
+#: because ptxas placed the per-page mask test before the PV wgmma.  With the test decided
+#: once an item (``planner.fresh_mask_units``) they were 0-4.5% faster than the
+#: element-wise kernels on every prefill-carrying case of suites engine, anchors and chunks
+#: and even on decode (bench/notes.md, nineteenth session).
+VEC_STRADDLE_DEFAULT = True
 
 
 def check_vec_straddle(vec_straddle, head_dim: int):
@@ -446,7 +454,7 @@ class DevicePlan:
                  page_size: int = PAGE_SIZE, lazy_rescale: bool = False,
                  pdl_combine: bool = False, lane_combine: bool = False,
                  kv_pair: bool = False, kv_stages=None, pingpong=None, pin_pv_wait=None,
-                 vec_straddle="auto", skip_idle: bool = False):
+                 vec_straddle=VEC_STRADDLE_DEFAULT, skip_idle: bool = False):
         device = torch.device(device)
         #: KV page size (tokens) the plans this holds count in: ion_attention refuses a
         #: cache of another page size (work items are page ranges)
@@ -470,13 +478,13 @@ class DevicePlan:
         #: steady-state PV wait pinned after the softmax (None: the default,
         #: ``PIN_PV_WAIT_DEFAULT``; see ``check_pin_pv_wait``)
         self.pin_pv_wait = check_pin_pv_wait(pin_pv_wait)
-        #: the straddle copy of the fused-writeback kernels: ``"auto"`` (the default) runs
-        #: the kernels whose copy moves 16-byte chunks (``IonAttentionSm90(vec_straddle=
-        #: True)``) for a plan with a straddling fresh tile (``Plan.straddles``) and the
-        #: element-wise ones otherwise (on the H200 the 16-byte kernels were 1-3% slower
-        #: on steps without a straddle, 2-28% faster on steps with one: bench/notes.md,
-        #: eighteenth session); True / False: always / never.  Head size 128 only (the
-        #: D = 64 producer would spill), so other head sizes never run them.
+        #: the straddle copy of the fused-writeback kernels: True (the default,
+        #: ``VEC_STRADDLE_DEFAULT``) always runs the kernels whose copy moves 16-byte
+        #: chunks (``IonAttentionSm90(vec_straddle=True)``), False the element-wise ones,
+        #: ``"auto"`` the 16-byte ones for a plan with a straddling fresh tile
+        #: (``Plan.straddles``) and the element-wise ones otherwise (the default of the
+        #: eighteenth session).  Head size 128 only (the D = 64 producer would spill), so
+        #: other head sizes never run them.
         self.vec_straddle_mode = check_vec_straddle(vec_straddle, head_dim)
         #: 128- and 192-row kernels whose idle consumer warpgroups issue no wgmma (an
         #: experiment: ``IonAttentionSm90(skip_idle=True)``; 64-row plans ignore it)
@@ -589,7 +597,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
                      pdl_combine: bool = False, lane_combine: bool = False,
                      kv_pair: bool = False, kv_stages=None, pingpong=None,
                      pin_pv_wait=None, refine_balance: bool = True,
-                     split_unpacked: bool = True, vec_straddle="auto",
+                     split_unpacked: bool = True, vec_straddle=VEC_STRADDLE_DEFAULT,
                      skip_idle: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one DevicePlan per builder and calls ``upload`` every step).
@@ -619,9 +627,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int, gr
     ``refine``), for A/B runs.
     ``split_unpacked=False``: unpacked items never split (planner ``split_unpacked``; the
     planner before v18), for A/B runs.
-    ``vec_straddle``: ``"auto"`` (the default): a fused call runs the kernels whose
-    straddle copy moves 16-byte chunks when the plan has a straddling fresh tile, the
-    element-wise ones otherwise; True / False: always / never (``DevicePlan``).
+    ``vec_straddle``: True (the default, ``VEC_STRADDLE_DEFAULT``): a fused call runs the
+    kernels whose straddle copy moves 16-byte chunks; False: the element-wise ones;
+    ``"auto"``: the 16-byte ones when the plan has a straddling fresh tile (``DevicePlan``).
     ``skip_idle=True``: 128/192-row plans run the kernels whose idle consumer warpgroups
     issue no wgmma (an experiment: correct, and 20-30% slower on the H200)."""
     import numpy as np
@@ -807,7 +815,7 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                experimental_pages: bool = False, lazy_rescale: bool = False,
                pdl_combine: bool = False, lane_combine: bool = False,
                kv_pair: bool = False, kv_stages=None, pingpong=None,
-               pin_pv_wait=None, vec_straddle="auto",
+               pin_pv_wait=None, vec_straddle=VEC_STRADDLE_DEFAULT,
                skip_idle: bool = False) -> None:
     """Compile (and load) every kernel one model config will launch: attention, combine and
     kv_append, plus the fused-writeback attention when ``fused``, and the unpacked_prefill
@@ -822,8 +830,8 @@ def precompile(dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
     ``kv_stages``: the 128-row kernels with that many K/V stages (plans with it).
     ``pingpong``: the 128-row kernels with / without warpgroup ping-pong (plans with it).
     ``pin_pv_wait``: the kernels with / without the pinned PV wait (plans with it).
-    ``vec_straddle``: the fused kernels' 16-byte straddle copy: True / False those kernels
-    only, ``"auto"`` (the default, as ``DevicePlan``) both (``check_vec_straddle``).
+    ``vec_straddle``: the fused kernels' 16-byte straddle copy: True (the default, as
+    ``DevicePlan``) / False those kernels only, ``"auto"`` both (``check_vec_straddle``).
     ``skip_idle``: the 128/192-row kernels whose idle warpgroups skip wgmma (plans with it).
     Call it before CUDA-graph capture, so no compilation happens inside it."""
     from .append_sm90 import _compiled_kernel

@@ -917,10 +917,18 @@ class IonAttentionSm90:
                     active = q_cnt > 0
                 ctx = 0
                 n_old = 0
+                u_part = 0
+                u_diag = 0
                 if cutlass.const_expr(self.fresh_kv):
                     # units < n_old are cache pages, the rest fresh tiles
                     ctx = seq_len - q_len
                     n_old = (ctx + P - 1) // P
+                    # the units _mask_unit masks, decided once an item: u == u_part or
+                    # u >= u_diag (planner.fresh_mask_units states the rule)
+                    u_part = cutlass.Int32(-1)
+                    if n_old * P != ctx:
+                        u_part = n_old - 1
+                    u_diag = n_old + (cutlass.min(pos0, seq_len - 1) - ctx + 1) // P
 
                 row_max[0] = -cutlass.Float32.inf
                 row_max[1] = -cutlass.Float32.inf
@@ -947,7 +955,8 @@ class IonAttentionSm90:
                     self._mask_unit_pair(acc_s, tScS, p0, p1, n_old, ctx, pos0, seq_len,
                                          shift)
                 elif cutlass.const_expr(self.fresh_kv):
-                    self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len, shift)
+                    self._mask_unit(acc_s, tScS, p0, n_old, ctx, pos0, seq_len, shift,
+                                        u_part, u_diag)
                 elif cutlass.const_expr(self.kv_pair):
                     self._mask_limited(acc_s, tScS, p0 * P, pos0, kv_lim, shift)
                 else:
@@ -970,7 +979,8 @@ class IonAttentionSm90:
                         self._mask_unit_pair(acc_s, tScS, p, p1, n_old, ctx, pos0, seq_len,
                                              shift)
                     elif cutlass.const_expr(self.fresh_kv):
-                        self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len, shift)
+                        self._mask_unit(acc_s, tScS, p, n_old, ctx, pos0, seq_len, shift,
+                                        u_part, u_diag)
                     elif cutlass.const_expr(self.kv_pair):
                         self._mask_limited(acc_s, tScS, p * P, pos0, kv_lim, shift)
                     else:
@@ -1196,18 +1206,24 @@ class IonAttentionSm90:
                     acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit
-    def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len, shift=None):
+    def _mask_unit(self, acc_s, tScS, u, n_old, ctx, pos0, seq_len, shift, u_part, u_diag):
         """fresh_kv masking of KV unit ``u``.  Old page ``u < n_old``: key position
         ``u*P + c`` is valid iff ``< ctx`` (every query sits at >= ctx, so causality holds;
         the cache rows >= ctx are this step's and may be mid-writeback).  Fresh tile
         ``k = u - n_old``: key position ``ctx + k*P + c`` is valid iff ``<=`` the query's
-        position (causal; also drops rows of the next request, which sit past seq_len)."""
-        kv0 = u * self.page
-        lim = ctx - 1
-        if u >= n_old:
-            kv0 = ctx + (u - n_old) * self.page
-            lim = seq_len - 1
-        if kv0 + self.page - 1 > cutlass.min(pos0, lim):
+        position (causal; also drops rows of the next request, which sit past seq_len).
+        Only units ``u == u_part`` (the old page holding ``ctx``, when ``ctx % P != 0``)
+        and ``u >= u_diag`` (fresh tiles reaching past the tile's first query position)
+        can hold a masked key; both are loop-invariant (``planner.fresh_mask_units``), so
+        the per-page test is two compares (the per-page form took ~10 uniform
+        instructions, which ptxas placed before the PV wgmma issue in the 16-byte-copy
+        kernels: +1.5% on the H200, bench/notes.md, nineteenth session)."""
+        if u == u_part or u >= u_diag:
+            kv0 = u * self.page
+            lim = ctx - 1
+            if u >= n_old:
+                kv0 = ctx + (u - n_old) * self.page
+                lim = seq_len - 1
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kv = kv0 + tScS[e][1]
                 qpos = pos0 + self._row_token(tScS[e][0], shift)

@@ -148,6 +148,25 @@ def fresh_tiles_straddle(query_start_loc, seq_lens, page_size: int = 64) -> bool
                        & (sl > (ctx // page_size + 1) * page_size)))
 
 
+def fresh_mask_units(ctx, pos0, seq_len, page_size: int = 64):
+    """``(u_part, u_diag)``: the KV units of a fused-writeback item whose keys may need
+    the element-wise mask (``attention_sm90._mask_unit``, which decides with the same
+    arithmetic once an item).  Unit ``u`` of a request with ``ctx`` cached tokens is old
+    page ``u`` (keys ``u*P ..``, valid iff ``< ctx``) for ``u < n_old = ceil(ctx / P)``
+    and fresh tile ``k = u - n_old`` (keys ``ctx + k*P ..``, valid iff ``<=`` the query's
+    position, and ``< seq_len``) otherwise.  For a q tile whose first query sits at
+    ``pos0 >= ctx``, unit ``u`` holds a masked key iff ``u == u_part`` (the old page that
+    holds ``ctx``; -1 when ``ctx`` is a page multiple) or ``u >= u_diag`` (fresh tiles
+    whose last key passes ``min(pos0, seq_len - 1)``).  Vectorized; a pure function."""
+    ctx = np.asarray(ctx, dtype=np.int64)
+    pos0 = np.asarray(pos0, dtype=np.int64)
+    seq_len = np.asarray(seq_len, dtype=np.int64)
+    n_old = (ctx + page_size - 1) // page_size
+    u_part = np.where(n_old * page_size != ctx, n_old - 1, -1)
+    u_diag = n_old + (np.minimum(pos0, seq_len - 1) - ctx + 1) // page_size
+    return u_part, u_diag
+
+
 def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64, q_head=None):
     """Writeback ownership rule of the fused kernel (``attention_sm90`` uses the same test):
     fresh tile ``k`` of (request, KV head) is written to the cache by the item whose q tile

@@ -110,14 +110,16 @@ KV_PAIR_ENV = "ION_KV_PAIR"
 #: (``IonAttentionSm90(pin_pv_wait=True)``): ptxas otherwise moves that wait above the
 #: softmax, so a warpgroup's softmax never overlaps its own PV (bench/notes.md, v16).
 PIN_PV_WAIT_ENV = "ION_PIN_PV_WAIT"
-#: ``ION_VEC_STRADDLE`` (default ``auto``): how the fused-writeback kernels copy the
+#: ``ION_VEC_STRADDLE`` (default ``1``): how the fused-writeback kernels copy the
 #: fresh-tile rows that reach into the next cache page.  Every fresh tile of a prefill chunk
 #: whose context is not a page multiple straddles (in vLLM nearly every continuing chunk),
 #: and the element-wise copy stalled the producer warp for ~500 iterations a tile: the
 #: engine's prefill steps ran up to 1.4x FA3's time (bench/notes.md, seventeenth and eighteenth
-#: sessions).  ``auto`` runs the 16-byte-chunk copy (``IonAttentionSm90(vec_straddle=True)``)
-#: on steps with a straddling tile and the element-wise kernels on the others (they were
-#: 1-3% faster there); ``1`` / ``0``: always / never.  Head size 128 only.
+#: sessions).  ``1`` runs the 16-byte-chunk copy (``IonAttentionSm90(vec_straddle=True)``)
+#: on every step: since the nineteenth session's mask decision those kernels are as fast
+#: or faster where nothing straddles too.  ``0``: the element-wise kernels; ``auto``: the
+#: 16-byte kernels on steps with a straddling tile only (the eighteenth session's default).
+#: Head size 128 only.
 VEC_STRADDLE_ENV = "ION_VEC_STRADDLE"
 #: ``ION_SKIP_IDLE`` (default 0, an experiment that lost): on the 128- and 192-row kernels a
 #: consumer warpgroup whose rows hold no token of an item (every decode row's tile: 7 of 128
@@ -264,14 +266,19 @@ def skip_idle() -> bool:
 
 
 def vec_straddle():
-    """``ION_VEC_STRADDLE`` as a ``DevicePlan(vec_straddle=)`` value: "auto" (unset or
-    ``auto``), True (``1``) or False (``0``)."""
-    v = os.environ.get(VEC_STRADDLE_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
+    """``ION_VEC_STRADDLE`` as a ``DevicePlan(vec_straddle=)`` value: True (unset, ``1``;
+    ``attention.VEC_STRADDLE_DEFAULT``), False (``0``) or "auto"."""
+    from cute_kernels.attention import VEC_STRADDLE_DEFAULT
+
+    v = os.environ.get(VEC_STRADDLE_ENV, "").strip().lower()
+    if v == "":
+        return VEC_STRADDLE_DEFAULT
+    if v == "auto":
         return "auto"
     if v not in ("0", "1", "false", "true"):
-        raise ValueError(f"{VEC_STRADDLE_ENV}={v!r}: use auto (the 16-byte straddle copy on "
-                         f"steps with a straddling tile), 1 (always) or 0 (never)")
+        raise ValueError(f"{VEC_STRADDLE_ENV}={v!r}: use 1 (the 16-byte straddle copy, the "
+                         f"default), 0 (element-wise) or auto (16-byte on steps with a "
+                         f"straddling tile)")
     return v in ("1", "true")
 
 
@@ -420,7 +427,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if self.pin_pv_wait:
             logger.info_once("ION: PV wait pinned after the softmax (%s=1, an experiment)",
                              PIN_PV_WAIT_ENV)
-        #: the fused kernels' straddle copy: "auto" (default), True or False
+        #: the fused kernels' straddle copy: True (default), False or "auto"
         #: (``DevicePlan(vec_straddle=)``; head size 128 only, others keep the element-wise
         #: copy)
         from cute_kernels.attention import check_vec_straddle

@@ -822,9 +822,10 @@ def test_experimental_128_token_pages_switch(make_config, monkeypatch):
 
 
 def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch):
-    """ION_VEC_STRADDLE (fused writeback on): unset or ``auto`` gives every DevicePlan of
-    the builder the per-step choice, 1 / 0 pin the 16-byte / element-wise copy; without
-    fused writeback there is no straddle copy; a bad value is refused."""
+    """ION_VEC_STRADDLE (fused writeback on): unset or 1 gives every DevicePlan of the
+    builder the 16-byte copy (the default since the nineteenth session), 0 the element-wise
+    one, ``auto`` the per-step choice; without fused writeback there is no straddle copy; a
+    bad value is refused."""
     import ion_vllm.backend as backend_mod
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -832,7 +833,7 @@ def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch)
     cfg = make_config("--max-num-seqs", "8")
     spec128 = FullAttentionSpec(block_size=P, num_kv_heads=HKV, head_size=128,
                                 dtype=torch.bfloat16)
-    for env, want in ((None, "auto"), ("auto", "auto"), ("1", True), ("0", False)):
+    for env, want in ((None, True), ("auto", "auto"), ("1", True), ("0", False)):
         if env is None:
             monkeypatch.delenv(backend_mod.VEC_STRADDLE_ENV, raising=False)
         else:

@@ -20,6 +20,7 @@ import torch
 
 from cute_kernels.planner import (
     CostModel,
+    fresh_mask_units,
     fresh_tile_owned,
     fresh_writeback_items,
     kv_units,
@@ -288,6 +289,37 @@ def test_fresh_tile_owned_is_the_kernel_rule():
     assert fresh_tile_owned(144, 6, 150, 2) and not fresh_tile_owned(128, 16, 150, 2)
     # decode: the single q tile owns the single fresh tile
     assert fresh_tile_owned(0, 1, 1, 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fresh_mask_units_are_exactly_the_units_with_a_masked_key(seed):
+    """The fused kernel decides once an item which units run the element-wise mask
+    (``fresh_mask_units``: u == u_part or u >= u_diag).  Brute force, key by key: a unit
+    holds a masked key iff one of its P keys is invalid for some query of the tile
+    (queries at pos0 .. seq_len - 1; an old key is valid iff < ctx, a fresh key iff <= the
+    query and < seq_len).  Skipping such a unit would be a wrong answer; masking a unit
+    without one costs time."""
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        ctx = int(rng.choice([0, 1, 63, 64, 65, 127, 128, int(rng.integers(0, 700))]))
+        q_len = int(rng.integers(1, 400))
+        seq_len = ctx + q_len
+        # the tile's first query: any new token, or past the request (an idle 64-row
+        # half of a 128/192-row tile starts after the item's tokens)
+        pos0 = ctx + int(rng.integers(0, q_len + 80))
+        n_old = -(-ctx // P)
+        n_units = n_old + -(-q_len // P)
+        u_part, u_diag = fresh_mask_units(ctx, pos0, seq_len, P)
+        queries = np.arange(pos0, max(pos0 + 1, seq_len))
+        q_max = np.minimum(queries, seq_len - 1)
+        for u in range(n_units):
+            if u < n_old:
+                keys = u * P + np.arange(P)
+                masked = bool((keys >= ctx).any())
+            else:
+                keys = ctx + (u - n_old) * P + np.arange(P)
+                masked = bool((keys[None, :] > q_max[:, None]).any())
+            assert (u == u_part or u >= u_diag) == masked, (ctx, q_len, pos0, u)
 
 
 # ------------------------------------------------------------------------- API checks

@@ -242,11 +242,12 @@ def test_fused_pair_variant_compiles_for_sm90a(vi):
 
 # consumers=2 PTX at commit 5f3ec61 (before kv_pair), `//` lines and the PDL trigger dropped
 # unpacked pins re-taken on 2026-12-03 (v18: the chunked partial store of split unpacked
-# items, GPU-validated); the plain pins are unchanged
+# items, GPU-validated); the plain pins are unchanged; the fused pin re-taken on 2026-12-03
+# (nineteenth session: the fused kernels' loop-invariant mask decision, GPU-validated)
 _PINNED_C2 = [
     (1, "plain", "d289485e9409d5ab"), (1, "unpacked", "b99fefce2413a5c5"),
     (7, "plain", "080067091f9dc541"), (7, "unpacked", "af96c199af3710f3"),
-    (12, "unpacked", "2497ce387a137f80"), (7, "fused-unpacked", "076d8a2d602bc132"),
+    (12, "unpacked", "2497ce387a137f80"), (7, "fused-unpacked", "77ea083802161a04"),
 ]
 
 
@@ -387,11 +388,12 @@ def test_precompile_builds_only_the_kernels_the_plans_launch(monkeypatch):
         attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,
                              consumers=(1, 2), lane_combine=True, kv_pair=kv_pair)
         # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait); the
-        # fused kernels twice, element-wise and 16-byte straddle copy (vec_straddle="auto")
+        # fused kernels with the 16-byte straddle copy (+ vec_straddle, skip_idle), the
+        # default
         base = [(kind, u, c, False, kv_pair and c == 2, None, None, None)
                 for kind in ("attn", "fused") for u in (False, True) for c in (1, 2)]
-        assert sorted(calls) == sorted(
-            base + [k + (True, False) for k in base if k[0] == "fused"])
+        assert sorted(calls) == sorted(k + (True, False) if k[0] == "fused" else k
+                                       for k in base)
 
 
 def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
@@ -413,13 +415,14 @@ def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
                      ("fused", False, 1, False, False, None, None, None, True, False),
                      ("attn", False, 3, False, False, None, None, None, True),
                      ("fused", False, 3, False, False, None, None, None, True, True)]
-    # vec_straddle="auto" (the default) compiles both copies of each fused kernel, False
-    # only the element-wise one; at head size 64 "auto" is False (no 16-byte kernels)
-    for vs, d, want in (("auto", 128, [False, True]), (False, 128, [False]),
-                        ("auto", 64, [False])):
+    # the default (True) compiles each fused kernel with the 16-byte copy, "auto" both
+    # copies, False only the element-wise one; at head size 64 every mode is False (no
+    # 16-byte kernels)
+    for vs, d, want in ((None, 128, [True]), ("auto", 128, [False, True]),
+                        (False, 128, [False]), ("auto", 64, [False]), (None, 64, [False])):
         calls.clear()
-        attention.precompile(torch.bfloat16, d, 28, 4, 64, fused=True, consumers=(1,),
-                             vec_straddle=vs)
+        kw = {} if vs is None else {"vec_straddle": vs}
+        attention.precompile(torch.bfloat16, d, 28, 4, 64, fused=True, consumers=(1,), **kw)
         assert [k[8] if len(k) > 8 else False for k in calls if k[0] == "fused"] == want
 
 

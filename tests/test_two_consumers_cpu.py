@@ -344,11 +344,14 @@ def test_bad_configurations_are_refused():
 # pins are still those of 2c51a4d, so that fix left the non-fused kernels untouched.  The
 # unpacked pins were re-taken on 2026-12-03 (v18): split unpacked items write chunked
 # partial rows (GPU-validated: tests/test_unpacked_split_gpu.py, 30 passed on the H200);
-# the plain and fused pins stay, so v18 left the default kernels byte-identical.
+# the plain and fused pins stay, so v18 left the default kernels byte-identical.  The fused
+# pins were re-taken on 2026-12-03 (nineteenth session): the fused kernels decide once an
+# item which KV units need the element-wise mask (planner.fresh_mask_units; GPU-validated:
+# 146 GPU tests and three 500-case fused sweeps, bench/results/2026-12-03-h200/session19).
 _PINNED = [
     (7, "plain", "74374d45f914f370"), (7, "unpacked", "2773b85e181d198e"),
-    (7, "fused", "e6de3fc1c0d34e61"), (0, "plain", "786cd00480acf914"),
-    (0, "fused", "fb4cd476f99f52d3"), (12, "unpacked", "ea7159f6abf5216a"),
+    (7, "fused", "ce96bd72b70f48c7"), (0, "plain", "786cd00480acf914"),
+    (0, "fused", "78c062c1c267ae0f"), (12, "unpacked", "ea7159f6abf5216a"),
 ]
 
 

@@ -84,10 +84,12 @@ ION_VARIANTS: dict[str, dict[str, str]] = {
     "ION+noreuse": {"ION_PLAN_REUSE": "0"},
     # decode-only steps recut the last decode plan (ION_PLAN_REPAGE, opt-in)
     "ION+repage": {"ION_PLAN_REPAGE": "1"},
-    # the fused kernels' straddle copy: 16-byte chunks always / element-wise always (the
-    # default, ION_VEC_STRADDLE=auto, picks per step)
+    # the fused kernels' straddle copy: 16-byte chunks always (the default since the
+    # nineteenth session) / element-wise always / per step (ION_VEC_STRADDLE=auto, the
+    # eighteenth session's default)
     "ION+vs": {"ION_VEC_STRADDLE": "1"},
     "ION+novs": {"ION_VEC_STRADDLE": "0"},
+    "ION+vsauto": {"ION_VEC_STRADDLE": "auto"},
     # idle consumer warpgroups skip their wgmma (ION_SKIP_IDLE, an experiment), and both
     "ION+si": {"ION_SKIP_IDLE": "1"},
     "ION+vs+si": {"ION_VEC_STRADDLE": "1", "ION_SKIP_IDLE": "1"},

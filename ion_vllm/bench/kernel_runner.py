@@ -674,15 +674,17 @@ def prepare_ion_auto_fused_t192(case: Case, rot: int, device, shared: dict) -> P
 
 
 def prepare_ion_auto_fused_vs(case: Case, rot: int, device, shared: dict) -> Prepared:
-    """``ion-auto-fused`` always on the kernels whose straddle copy moves 16-byte chunks
-    (``ION_VEC_STRADDLE=1``); the default (``auto``) runs them only on steps with a
-    straddling fresh tile (a prefill row whose context is not a page multiple)."""
+    """``ion-auto-fused`` pinned to the kernels whose straddle copy moves 16-byte chunks
+    (``ION_VEC_STRADDLE=1``).  The same kernels as the default since the nineteenth
+    session; from the eighteenth until then the default (``auto``) ran them only on steps
+    with a straddling fresh tile (a prefill row whose context is not a page multiple)."""
     return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=True)
 
 
 def prepare_ion_auto_fused_novs(case: Case, rot: int, device, shared: dict) -> Prepared:
     """``ion-auto-fused`` always on the element-wise straddle copy (``ION_VEC_STRADDLE=0``;
-    the default before the eighteenth session)."""
+    the default before the eighteenth session, and on steps without a straddling tile
+    until the nineteenth)."""
     return prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=False)
 
 

@@ -27,7 +27,7 @@ KERNEL_ORDER = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128"
                 "ion-auto-fused-np", "ion-auto-pin", "ion-auto-fused-pin", "ion-unpacked", "ion-m128", "ion-m128-unpacked", "fa3",
                 "fa4", "triton")
 E2E_ORDER = ("ION", "ION+packed", "ION+m64", "ION+rowcomb", "ION+groupcomb", "ION+p128",
-             "ION+lazy", "ION+pin", "ION+noreuse", "ION+repage", "ION+vs", "ION+novs", "ION+si", "ION+vs+si", "ION+kp", "ION+pdl", "ION+append", "ION+append+rowcomb", "ION+lanes",
+             "ION+lazy", "ION+pin", "ION+noreuse", "ION+repage", "ION+vs", "ION+novs", "ION+vsauto", "ION+si", "ION+vs+si", "ION+kp", "ION+pdl", "ION+append", "ION+append+rowcomb", "ION+lanes",
              "ION+unpacked", "ION+fused", "ION+fused+unpacked", "ION+lanes+fused",
              "FLASH_ATTN")
 KERNEL_BASELINE = "fa3"
