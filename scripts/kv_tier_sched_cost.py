@@ -51,13 +51,20 @@ def _setup():
 
 
 def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen: int,
-             seed: int = 0) -> dict:
+             seed: int = 0, pool_requests: int | None = None,
+             async_scheduling: bool = False, store_lag: int = 1) -> dict:
+    """``pool_requests``: size the GPU pool for that many requests (fewer than
+    ``requests`` forces preemption and block reuse); None: room for all of them.
+    ``store_lag``: engine steps a store job takes to finish (the harness's FakeWorker)."""
     import test_kv_tier_scheduler as T
 
     extra = {"offload_prompt_only": True} if prompt_only else None
-    eng = T.Engine(model_dir, gpu_blocks=requests * ((prompt + gen) // T.BS + 2) + 64,
-                   host_blocks=requests * ((prompt + gen) // T.BS + 2), max_num_seqs=requests,
-                   max_batched=max(2048, requests), extra=extra, store_lag=1)
+    per_req = (prompt + gen) // T.BS + 2
+    gpu_blocks = requests * per_req + 64 if pool_requests is None else pool_requests * per_req
+    eng = T.Engine(model_dir, gpu_blocks=gpu_blocks,
+                   host_blocks=requests * per_req, max_num_seqs=requests,
+                   max_batched=max(2048, requests), extra=extra, store_lag=store_lag,
+                   async_scheduling=async_scheduling)
     times = {name: [] for name in ("schedule", "update", *MANAGER_METHODS)}
 
     def timed(fn, bucket):
@@ -85,6 +92,14 @@ def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen:
         "update_us": statistics.median(times["update"][k:]) * 1e6,
         "manager_us_per_step": {m: sum(times[m]) / n * 1e6 for m in MANAGER_METHODS},
         "store_jobs": sum(len(m.store_jobs) for _, _, m in eng.outputs),
+        "preemptions": sum(len(o.preempted_req_ids or ()) for _, o, _ in eng.outputs),
+        # vLLM's worker waits on the host for every flushed job before the step's forward
+        # (OffloadingConnectorWorker.handle_preemptions -> OffloadingWorker.wait); a job
+        # flushed in the step that created it waits for the forward then in flight
+        "flush_steps": sum(1 for _, _, m in eng.outputs if m.jobs_to_flush),
+        "flushed_jobs": sum(len(m.jobs_to_flush or ()) for _, _, m in eng.outputs),
+        "flushed_in_own_step": sum(len(set(m.jobs_to_flush or ()) & set(m.store_jobs))
+                                   for _, _, m in eng.outputs),
     }
 
 
@@ -94,6 +109,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pool-requests", type=int, default=None,
+                    help="GPU pool for this many requests (default: all; fewer preempts)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="as vLLM runs on CUDA (defers block frees while a batch is in flight)")
+    ap.add_argument("--store-lag", type=int, default=1,
+                    help="engine steps a store job takes to finish")
     ap.add_argument("--out", help="write every run as JSON here")
     args = ap.parse_args(argv)
     if args.prompt + args.gen > 1024:
@@ -102,12 +123,16 @@ def main(argv=None) -> int:
     runs = []
     for _ in range(args.repeats):
         for po in (False, True):
-            r = run_once(model_dir, po, args.requests, args.prompt, args.gen)
+            r = run_once(model_dir, po, args.requests, args.prompt, args.gen,
+                         pool_requests=args.pool_requests,
+                         async_scheduling=args.async_scheduling, store_lag=args.store_lag)
             runs.append(r)
             mgr = sum(r["manager_us_per_step"].values())
             print(f"{'prompt-only' if po else 'eager':<12} steps {r['steps']:4d}  "
                   f"schedule {r['schedule_us']:7.0f} us  update {r['update_us']:7.0f} us  "
-                  f"Ion manager {mgr:6.0f} us/step  store jobs {r['store_jobs']}", flush=True)
+                  f"Ion manager {mgr:6.0f} us/step  store jobs {r['store_jobs']}  "
+                  f"preemptions {r['preemptions']}  flushed jobs {r['flushed_jobs']} "
+                  f"({r['flushed_in_own_step']} in their own step)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(runs, f, indent=2)

@@ -177,3 +177,26 @@ def test_sched_cost_script_times_both_policies(tmp_path):
         assert run["steps"] >= 80 and run["schedule_us"] > 0 and run["update_us"] > 0
         assert run["manager_us_per_step"]["prepare_store"] > 0
     assert "eager" in r.stdout and "prompt-only" in r.stdout
+
+
+def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
+    """With a GPU pool for 2 of 4 requests vLLM preempts; with stores that take 4 steps a
+    preempted request still has store jobs in flight, which vLLM flushes (the worker's
+    host wait); the script counts both, and prompt-only storing has fewer jobs to
+    flush."""
+    out = tmp_path / "runs.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "kv_tier_sched_cost.py")
+    r = subprocess.run([sys.executable, script, "--requests", "4", "--prompt", "64",
+                        "--gen", "200", "--repeats", "1", "--pool-requests", "2",
+                        "--store-lag", "4", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    eager, prompt_only = json.loads(out.read_text())
+    assert eager["preemptions"] > 0 and prompt_only["preemptions"] > 0
+    assert eager["flushed_jobs"] > 0 and eager["flush_steps"] > 0
+    assert eager["flushed_jobs"] >= prompt_only["flushed_jobs"]
+    for run in (eager, prompt_only):
+        assert 0 <= run["flushed_in_own_step"] <= run["flushed_jobs"]
+    assert "flushed jobs" in r.stdout
