@@ -223,8 +223,8 @@ VEC_STRADDLE_HEAD_DIM = 128
 #: straddling tile): the 16-byte kernels ran 1.5-2.5% slower where nothing straddles,
 #: because ptxas placed the per-page mask test before the PV wgmma.  With the test decided
 #: once an item (``planner.fresh_mask_units``) they were 0-4.5% faster than the
-#: element-wise kernels on every prefill-carrying case of suites engine, anchors and chunks
-#: and even on decode (bench/notes.md, nineteenth session).
+#: element-wise kernels on every prefill-carrying case of suites engine, anchors and chunks,
+#: and within 1% of them on decode (bench/notes.md, nineteenth session).
 VEC_STRADDLE_DEFAULT = True
 
 

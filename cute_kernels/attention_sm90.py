@@ -1215,8 +1215,8 @@ class IonAttentionSm90:
         Only units ``u == u_part`` (the old page holding ``ctx``, when ``ctx % P != 0``)
         and ``u >= u_diag`` (fresh tiles reaching past the tile's first query position)
         can hold a masked key; both are loop-invariant (``planner.fresh_mask_units``), so
-        the per-page test is two compares (the per-page form took ~10 uniform
-        instructions, which ptxas placed before the PV wgmma issue in the 16-byte-copy
+        the per-page test is two compares (the per-page form took ~10 instructions, which
+        ptxas placed between the V-stage wait and the PV wgmma issue in the 16-byte-copy
         kernels: +1.5% on the H200, bench/notes.md, nineteenth session)."""
         if u == u_part or u >= u_diag:
             kv0 = u * self.page

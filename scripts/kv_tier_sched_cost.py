@@ -14,6 +14,11 @@ of the steps), alternating the policies ``--repeats`` times:
 
 The harness uses 16-token blocks and a 2-layer model, so absolute numbers are not a real
 engine's. The difference between the policies on the same host is the point.
+
+Each run also counts engine steps, preemptions and the store jobs vLLM flushes (its worker
+waits on the host for those before the step's forward). ``--pool-requests N`` sizes the GPU
+pool for N requests (fewer than ``--requests`` preempts), ``--async-scheduling`` runs the
+scheduler as on CUDA, ``--store-lag`` sets how many steps a store takes.
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def test_sched_cost_script_times_both_policies(tmp_path):
 def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
     """With a GPU pool for 2 of 4 requests vLLM preempts; with stores that take 4 steps a
     preempted request still has store jobs in flight, which vLLM flushes (the worker's
-    host wait); the script counts both, and prompt-only storing has fewer jobs to
-    flush."""
+    host wait); the script counts both, and prompt-only storing has no more jobs to
+    flush than eager storing."""
     out = tmp_path / "runs.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
