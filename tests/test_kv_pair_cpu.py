@@ -301,6 +301,13 @@ def compile_key(kind: str, key: tuple) -> tuple:
     return (kind,) + base + (extra if any(extra) else ())
 
 
+def default_fused_tail() -> tuple:
+    """What ``compile_key`` appends to a fused kernel's key when a plan leaves vec_straddle
+    at its default and skip_idle off: (True, False) while ``VEC_STRADDLE_DEFAULT`` is True
+    (the nineteenth session's default), nothing when it is False."""
+    return (True, False) if attention.VEC_STRADDLE_DEFAULT else ()
+
+
 def record_precompile(monkeypatch) -> list:
     """Stub out every compile ``attention.precompile`` triggers; the returned list collects
     ``compile_key`` of each attention kernel it asks for (kind "attn" or "fused")."""

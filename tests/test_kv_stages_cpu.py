@@ -119,12 +119,12 @@ def test_deep_pipeline_is_refused_where_not_implemented():
 
 def test_launch_picks_the_deep_kernel(monkeypatch):
     """``ion_attention`` hands the plan's depth to the compiled-kernel cache (both forms)."""
-    from test_kv_pair_cpu import record_launches
+    from test_kv_pair_cpu import default_fused_tail, record_launches
 
     _, seen = record_launches(monkeypatch, unpacked_prefill=True, kv_stages=2)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
     assert seen == [("attn", True, 2, False, False, 2, None, None),
-                    ("fused", True, 2, False, False, 2, None, None)]
+                    ("fused", True, 2, False, False, 2, None, None) + default_fused_tail()]
 
 
 def test_precompile_builds_the_asked_depth_for_128_row_plans_only(monkeypatch):

@@ -147,16 +147,17 @@ def test_default_is_one_kernel():
 def test_launch_and_precompile_carry_the_option(monkeypatch):
     import torch
 
-    from test_kv_pair_cpu import record_launches, record_precompile
+    from test_kv_pair_cpu import default_fused_tail, record_launches, record_precompile
 
     on = not attention.PIN_PV_WAIT_DEFAULT
     plans, seen = record_launches(monkeypatch, tile_ms=(64, 128), pin_pv_wait=on)
     assert all(dp.pin_pv_wait is on for dp in plans)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
+    tail = default_fused_tail()
     assert seen == [("attn", False, 1, False, False, None, None, on),
-                    ("fused", False, 1, False, False, None, None, on),
+                    ("fused", False, 1, False, False, None, None, on) + tail,
                     ("attn", False, 2, False, False, None, None, on),
-                    ("fused", False, 2, False, False, None, None, on)]
+                    ("fused", False, 2, False, False, None, None, on) + tail]
     monkeypatch.undo()
     calls = record_precompile(monkeypatch)
     attention.precompile(torch.bfloat16, 128, 28, 4, 64, fused=True, unpacked=True,

@@ -151,13 +151,13 @@ def test_pingpong_is_refused_on_64_row_kernels():
 
 def test_launch_picks_the_pingpong_kernel(monkeypatch):
     """``ion_attention`` hands the plan's ping-pong option to the compiled-kernel cache."""
-    from test_kv_pair_cpu import record_launches
+    from test_kv_pair_cpu import default_fused_tail, record_launches
 
     on = not attention.PINGPONG_DEFAULT
     _, seen = record_launches(monkeypatch, unpacked_prefill=True, pingpong=on)
     # (kind, unpacked, consumers, lazy, kv_pair, kv_stages, pingpong, pin_pv_wait)
     assert seen == [("attn", True, 2, False, False, None, on, None),
-                    ("fused", True, 2, False, False, None, on, None)]
+                    ("fused", True, 2, False, False, None, on, None) + default_fused_tail()]
 
 
 def test_precompile_builds_the_asked_kernels_for_128_row_plans_only(monkeypatch):
