@@ -13,7 +13,12 @@ of the steps), alternating the policies ``--repeats`` times:
     python scripts/kv_tier_sched_cost.py --requests 32 --prompt 512 --gen 400
 
 The harness uses 16-token blocks and a 2-layer model, so absolute numbers are not a real
-engine's. The difference between the policies on the same host is the point.
+engine's. The difference between the configs on the same host is the point.
+
+``--configs`` picks what alternates: ``eager`` (Ion's spec and policy), ``prompt-only``
+(Ion's spec, vLLM's default policy) and ``native-default`` (vLLM's own
+``CPUOffloadingSpec`` at its defaults, the issue's "native OffloadingConnector"); the
+manager's methods are timed the same way for vLLM's manager.
 
 Each run also counts engine steps, preemptions and the store jobs vLLM flushes (its worker
 waits on the host for those before the step's forward). ``--pool-requests N`` sizes the GPU
@@ -55,15 +60,26 @@ def _setup():
     return d
 
 
-def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen: int,
+#: config name -> the connector's extra config on top of the harness's Ion spec
+CONFIGS = {
+    "eager": {},  # Ion's spec and policy: every full block, decode blocks too
+    "prompt-only": {"offload_prompt_only": True},  # Ion's spec, vLLM's default policy
+    # vLLM's own spec (CPUOffloadingSpec, its LRU manager) at its defaults: prompt blocks
+    # only; the issue's "native OffloadingConnector" (the benchmark's native-default)
+    "native-default": {"spec_name": "CPUOffloadingSpec"},
+}
+
+
+def run_once(model_dir: str, config: str, requests: int, prompt: int, gen: int,
              seed: int = 0, pool_requests: int | None = None,
              async_scheduling: bool = False, store_lag: int = 1) -> dict:
-    """``pool_requests``: size the GPU pool for that many requests (fewer than
-    ``requests`` forces preemption and block reuse); None: room for all of them.
-    ``store_lag``: engine steps a store job takes to finish (the harness's FakeWorker)."""
+    """``config``: a key of ``CONFIGS``.  ``pool_requests``: size the GPU pool for that
+    many requests (fewer than ``requests`` forces preemption and block reuse); None: room
+    for all of them.  ``store_lag``: engine steps a store job takes to finish (the
+    harness's FakeWorker)."""
     import test_kv_tier_scheduler as T
 
-    extra = {"offload_prompt_only": True} if prompt_only else None
+    extra = CONFIGS[config]
     per_req = (prompt + gen) // T.BS + 2
     gpu_blocks = requests * per_req + 64 if pool_requests is None else pool_requests * per_req
     eng = T.Engine(model_dir, gpu_blocks=gpu_blocks,
@@ -91,7 +107,9 @@ def run_once(model_dir: str, prompt_only: bool, requests: int, prompt: int, gen:
     n = len(times["schedule"])
     k = n // 4  # the prefill steps come first
     return {
-        "prompt_only": prompt_only,
+        "config": config,
+        "prompt_only": config != "eager",
+        "manager": type(eng.mgr).__name__,
         "steps": n,
         "schedule_us": statistics.median(times["schedule"][k:]) * 1e6,
         "update_us": statistics.median(times["update"][k:]) * 1e6,
@@ -120,22 +138,29 @@ def main(argv=None) -> int:
                     help="as vLLM runs on CUDA (defers block frees while a batch is in flight)")
     ap.add_argument("--store-lag", type=int, default=1,
                     help="engine steps a store job takes to finish")
+    ap.add_argument("--configs", default="eager,prompt-only",
+                    help=f"comma-separated, alternated per repeat: {', '.join(CONFIGS)}")
     ap.add_argument("--out", help="write every run as JSON here")
     args = ap.parse_args(argv)
     if args.prompt + args.gen > 1024:
         ap.error("prompt + gen must fit the harness's max_model_len of 1024")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs:
+        ap.error(f"--configs: unknown {bad}; choose from {', '.join(CONFIGS)}")
     model_dir = _setup()
     runs = []
     for _ in range(args.repeats):
-        for po in (False, True):
-            r = run_once(model_dir, po, args.requests, args.prompt, args.gen,
+        for config in configs:
+            r = run_once(model_dir, config, args.requests, args.prompt, args.gen,
                          pool_requests=args.pool_requests,
                          async_scheduling=args.async_scheduling, store_lag=args.store_lag)
             runs.append(r)
             mgr = sum(r["manager_us_per_step"].values())
-            print(f"{'prompt-only' if po else 'eager':<12} steps {r['steps']:4d}  "
+            print(f"{config:<14} steps {r['steps']:4d}  "
                   f"schedule {r['schedule_us']:7.0f} us  update {r['update_us']:7.0f} us  "
-                  f"Ion manager {mgr:6.0f} us/step  store jobs {r['store_jobs']}  "
+                  f"manager {mgr:6.0f} us/step (get_stats "
+                  f"{r['manager_us_per_step']['get_stats']:4.0f})  store jobs {r['store_jobs']}  "
                   f"preemptions {r['preemptions']}  flushed jobs {r['flushed_jobs']} "
                   f"({r['flushed_in_own_step']} in their own step)", flush=True)
     if args.out:

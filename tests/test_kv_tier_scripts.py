@@ -179,6 +179,31 @@ def test_sched_cost_script_times_both_policies(tmp_path):
     assert "eager" in r.stdout and "prompt-only" in r.stdout
 
 
+def test_sched_cost_script_times_vllms_own_manager(tmp_path):
+    """``--configs eager,native-default`` runs vLLM's own CPUOffloadingSpec manager through
+    the same harness: it stores prompt blocks only, and its methods are timed as Ion's."""
+    out = tmp_path / "runs.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "kv_tier_sched_cost.py")
+    r = subprocess.run([sys.executable, script, "--requests", "4", "--prompt", "64",
+                        "--gen", "80", "--repeats", "1", "--configs", "eager,native-default",
+                        "--out", str(out)], capture_output=True, text=True, env=env,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    eager, native = json.loads(out.read_text())
+    assert (eager["config"], native["config"]) == ("eager", "native-default")
+    assert eager["manager"] == "IonKVTierSchedulerManager"
+    assert native["manager"] == "CPUOffloadingManager"
+    assert native["prompt_only"] and not eager["prompt_only"]
+    # 4 prompts of 64 tokens = 4 blocks each; the 80 answer tokens' 5 blocks only eagerly
+    assert native["store_jobs"] <= 8 and eager["store_jobs"] >= native["store_jobs"] + 16
+    assert native["manager_us_per_step"]["get_stats"] > 0
+    bad = subprocess.run([sys.executable, script, "--configs", "eager,nope"],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
 def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
     """With a GPU pool for 2 of 4 requests vLLM preempts; with stores that take 4 steps a
     preempted request still has store jobs in flight, which vLLM flushes (the worker's

@@ -99,8 +99,21 @@ def test_stats_and_metric_definitions():
     assert red[M.STORE_DROPPED_BLOCKS] == 2 and red[M.STORED_BLOCKS] == 3
     assert red[M.LOOKUP_BLOCKS] == 2 and red[M.LOOKUP_HIT_BLOCKS] == 1
     assert red[M.HOST_USED_BYTES] == 30
-    red2 = m.get_stats().reduce()  # counters are deltas since the last call
-    assert M.STORED_BLOCKS not in red2 and red2[M.HOST_USED_BYTES] == 30
+    # counters are deltas since the last call, and a gauge is sent when its value changed
+    # since the last call that sent it: a call after which nothing moved is empty, which
+    # vLLM's scheduler drops (no payload on a quiet decode step; Prometheus keeps the value)
+    assert m.get_stats().is_empty()
+    m.lookup(key_of(1), CTX)
+    red2 = m.get_stats().reduce()
+    assert red2 == {M.LOOKUP_BLOCKS: 1, M.LOOKUP_HIT_BLOCKS: 1}
+    out = m.prepare_store([key_of(5)], CTX)
+    red3 = m.get_stats().reduce()
+    assert M.STORED_BLOCKS not in red3  # not stored yet, but its host block is taken
+    assert red3[M.HOST_USED_BYTES] == 40
+    assert red3[M.INFLIGHT_STORE_PERC] == pytest.approx(1 / 3)  # in flight: 1 of 3
+    m.complete_store(out.keys_to_store, CTX)
+    red4 = m.get_stats().reduce()  # used bytes did not move: not sent again
+    assert red4 == {M.STORED_BLOCKS: 1, M.INFLIGHT_STORE_PERC: 0.0}
 
 
 def test_kv_transfer_config_cli_form_parses():

@@ -38,6 +38,7 @@ therefore refuses every key of a request that finished (counted as
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
@@ -53,6 +54,21 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ion_vllm.kv_tier.stats import M, ManagerCounters
+
+#: (metric, ``ManagerCounters`` field) exported as counters by ``get_stats``
+_COUNTER_METRICS = (
+    (M.LOOKUP_BLOCKS, "lookup_blocks"),
+    (M.LOOKUP_HIT_BLOCKS, "lookup_hit_blocks"),
+    (M.LOADED_BLOCKS, "loaded_blocks"),
+    (M.STORED_BLOCKS, "completed_store_blocks"),
+    (M.STORE_DROPPED_BLOCKS, "store_dropped_blocks"),
+    (M.STORE_NO_SPACE_BLOCKS, "store_no_space_blocks"),
+    (M.STORE_AFTER_FINISH_BLOCKS, "store_after_finish_blocks"),
+    (M.EVICTED_BLOCKS, "evicted_blocks"),
+)
+_counter_values = operator.attrgetter(*(f for _, f in _COUNTER_METRICS))
+#: gauges ``get_stats`` reports: host bytes used, host pool usage, in-flight share
+_GAUGE_METRICS = (M.HOST_USED_BYTES, M.HOST_USAGE_PERC, M.INFLIGHT_STORE_PERC)
 
 MEDIUM = "CPU"
 
@@ -101,7 +117,8 @@ class IonKVTierManager(OffloadingManager):
         self._inflight = 0
         self._seq = 0
         self.counters = ManagerCounters()
-        self._reported = self.counters.snapshot()
+        self._reported = _counter_values(self.counters)
+        self._reported_gauges = (None,) * len(_GAUGE_METRICS)  # the first call sends all
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # ids of finished requests, by the scheduler step they finished in: the
         # scheduler's post-finish prepare_store comes in the step after the finish,
@@ -283,31 +300,31 @@ class IonKVTierManager(OffloadingManager):
         self._inflight = 0
 
     def get_stats(self):
+        """The counters' growth since the last call, and each gauge whose value changed
+        since the last call that sent it.  vLLM calls this every engine step and
+        drops an empty result (``Scheduler.update_from_output``), so a step in which
+        nothing moved, most decode steps, costs two tuple comparisons and sends no
+        payload; a Prometheus gauge keeps its last value meanwhile.  (vLLM's own manager
+        sets its gauges every step.)"""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
 
         s = OffloadingConnectorStats()
-        d = self.counters.delta(self._reported)
-        self._reported = self.counters.snapshot()
-        for name, field_name in (
-            (M.LOOKUP_BLOCKS, "lookup_blocks"),
-            (M.LOOKUP_HIT_BLOCKS, "lookup_hit_blocks"),
-            (M.LOADED_BLOCKS, "loaded_blocks"),
-            (M.STORED_BLOCKS, "completed_store_blocks"),
-            (M.STORE_DROPPED_BLOCKS, "store_dropped_blocks"),
-            (M.STORE_NO_SPACE_BLOCKS, "store_no_space_blocks"),
-            (M.STORE_AFTER_FINISH_BLOCKS, "store_after_finish_blocks"),
-            (M.EVICTED_BLOCKS, "evicted_blocks"),
-        ):
-            if d[field_name]:
-                s.increase_counter(name, d[field_name])
-        s.set_gauge(M.HOST_USED_BYTES, self.used_bytes)
-        s.set_gauge(
-            M.HOST_USAGE_PERC,
-            self.used_blocks / self.num_host_blocks if self.num_host_blocks else 0.0,
-        )
-        s.set_gauge(M.INFLIGHT_STORE_PERC, self._inflight / self.max_inflight_blocks)
+        now = _counter_values(self.counters)
+        if now != self._reported:
+            for (name, _), a, b in zip(_COUNTER_METRICS, now, self._reported):
+                if a != b:
+                    s.increase_counter(name, a - b)
+            self._reported = now
+        n = self.num_host_blocks
+        gauges = (self.used_bytes, len(self._entries) / n if n else 0.0,
+                  self._inflight / self.max_inflight_blocks)
+        if gauges != self._reported_gauges:
+            for name, v, was in zip(_GAUGE_METRICS, gauges, self._reported_gauges):
+                if v != was:
+                    s.set_gauge(name, v)
+            self._reported_gauges = gauges
         return s
 
     # ------------------------------------------------------------ checking

@@ -50,7 +50,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_ring_gather,
     check_store_completion,
 )
-from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, add_process_counters, metric_definitions
+from ion_vllm.kv_tier.stats import add_process_counters, metric_definitions, process_counter_values
 
 logger = init_logger(__name__)
 
@@ -109,7 +109,7 @@ class IonKVTierSchedulerManager(IonKVTierManager):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self._process_seen = PROCESS_COUNTERS.snapshot()
+        self._process_seen = process_counter_values()
 
     def get_stats(self):
         s = super().get_stats()
