@@ -387,12 +387,36 @@ def render_markdown(meta: dict, results: dict, ratios: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- vLLM side
+def request_lengths(input_len: int, output_len: int, n: int, range_ratio: float | None,
+                    seed: int) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of ``n`` requests: all ``(input_len, output_len)``, or with
+    ``range_ratio`` r each drawn uniformly from ``[int(L * (1 - r)), int(L * (1 + r))]`` as
+    vLLM's random dataset draws them (``vllm bench --random-range-ratio``; at least 1)."""
+    if not range_ratio:
+        return [(input_len, output_len)] * n
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range_ratio {range_ratio}: use 0 <= r < 1")
+    import random
+
+    rng = random.Random(seed)
+
+    def draw(length):
+        return max(1, rng.randint(int(length * (1 - range_ratio)),
+                                  int(length * (1 + range_ratio))))
+    return [(draw(input_len), draw(output_len)) for _ in range(n)]
+
+
+def max_model_len(cfg: dict) -> int:
+    r = cfg.get("range_ratio") or 0.0
+    return int(cfg["input_len"] * (1 + r)) + int(cfg["output_len"] * (1 + r))
+
+
 def engine_kwargs(cfg: dict, trace_dir: str) -> dict:
     """Keyword arguments for ``vllm.LLM`` (also valid for ``vllm.engine.arg_utils.EngineArgs``)."""
     from vllm.config.profiler import ProfilerConfig
     kw = dict(model=cfg["model"], load_format="dummy",
               attention_backend=vllm_backend(cfg["backend"]),
-              seed=cfg["seed"], max_model_len=cfg["input_len"] + cfg["output_len"],
+              seed=cfg["seed"], max_model_len=max_model_len(cfg),
               max_num_seqs=cfg["max_num_seqs"], enforce_eager=cfg["enforce_eager"],
               gpu_memory_utilization=cfg["gpu_memory_utilization"],
               profiler_config=ProfilerConfig(
@@ -421,30 +445,45 @@ def child(cfg: dict) -> dict:
     os.makedirs(cfg["trace_dir"], exist_ok=True)
     llm = LLM(**engine_kwargs(cfg, cfg["trace_dir"]))
     rng, vocab = random.Random(cfg["seed"]), vocab_size(cfg["model"])
-    prompts = lambda n: [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab)  # noqa: E731
-                                                        for _ in range(cfg["input_len"])])
-                         for _ in range(n)]
+    rr, seed = cfg.get("range_ratio"), cfg["seed"]
+
+    def batch(n, salt, max_out=None):
+        """n prompts with their own lengths (``request_lengths``) and sampling params."""
+        lens = request_lengths(cfg["input_len"], cfg["output_len"], n, rr, seed + salt)
+        ps = [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(i)])
+              for i, _ in lens]
+        return ps, [sp(o if max_out is None else min(o, max_out)) for _, o in lens], lens
+
     sp = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
-    llm.generate(prompts(min(cfg["num_prompts"], cfg["max_num_seqs"])), sp(16), use_tqdm=False)
+    ps, sps, _ = batch(min(cfg["num_prompts"], cfg["max_num_seqs"]), 1, max_out=16)
+    llm.generate(ps, sps, use_tqdm=False)
     if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
         from ion_vllm.bench.start_gate import ready_then_wait
 
         ready_then_wait(cfg["gate_dir"], cfg["backend"])
+    ps, sps, _ = batch(cfg["num_prompts"], 2)
     t0 = time.perf_counter()
-    llm.generate(prompts(cfg["num_prompts"]), sp(cfg["output_len"]), use_tqdm=False)
+    llm.generate(ps, sps, use_tqdm=False)
     timed = time.perf_counter() - t0
-    batch = prompts(cfg["profile_prompts"])
+    ps, sps, _ = batch(cfg["profile_prompts"], 3)  # lengths: profile_lengths(cfg)
     llm.start_profile(profile_prefix=cfg["backend"])
     t0 = time.perf_counter()
-    llm.generate(batch, sp(cfg["output_len"]), use_tqdm=False)
+    llm.generate(ps, sps, use_tqdm=False)
     profiled = time.perf_counter() - t0
     llm.stop_profile()
     return {"timed_wall_s": timed, "profiled_wall_s": profiled}
 
 
+def profile_lengths(cfg: dict) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of the profiled batch (``child``'s third batch)."""
+    return request_lengths(cfg["input_len"], cfg["output_len"], cfg["profile_prompts"],
+                           cfg.get("range_ratio"), cfg["seed"] + 3)
+
+
 def backend_cfg(args, backend: str, trace_dir: str) -> dict:
     return dict(backend=backend, trace_dir=os.path.abspath(trace_dir), model=args.model,
                seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+               range_ratio=args.range_ratio,
                num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
                profile_prompts=args.profile_prompts, enforce_eager=args.enforce_eager,
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -500,6 +539,10 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default="FLASH_ATTN", help="backend the prediction is against")
     p.add_argument("--input-len", type=int, default=7680)
     p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--range-ratio", type=float, default=None,
+                   help="draw each request's prompt and output length uniformly within "
+                        "this ratio of --input-len / --output-len, as vllm bench's "
+                        "--random-range-ratio (the skewed workload: 0.9)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--profile-prompts", type=int, default=32,
@@ -576,9 +619,13 @@ def main(argv=None) -> int:
             failed, results[b] = True, {"error": f"{type(e).__name__}: {e}"}
             print(f"[attention_share] {b} failed: {e}", file=sys.stderr)
     ratios = compare(results, args.baseline)
-    meta = {"date": date, "baseline": args.baseline, "workload": {
-        k: getattr(args, k) for k in ("model", "input_len", "output_len", "num_prompts",
-                                      "max_num_seqs", "profile_prompts", "enforce_eager", "seed")}}
+    workload = {k: getattr(args, k) for k in (
+        "model", "input_len", "output_len", "num_prompts", "max_num_seqs", "profile_prompts",
+        "enforce_eager", "seed")}
+    if args.range_ratio:  # the profiled requests' own lengths (scripts/e2e_attention_bound.py)
+        workload["range_ratio"] = args.range_ratio
+        workload["profile_lengths"] = profile_lengths(vars(args))
+    meta = {"date": date, "baseline": args.baseline, "workload": workload}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "attention_share.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "ratios": ratios}, f, indent=1)

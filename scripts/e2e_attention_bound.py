@@ -5,7 +5,8 @@ attention calls split into decode calls and prefill-carrying calls) and the copy
 and GEMM ceilings that ``ion-bench kernel`` measured on the same GPU model.
 
 The profiled run is ``profile_prompts`` prompts of ``input_len`` tokens that each generate
-``output_len`` tokens, all in flight together, so its attention work is known exactly:
+``output_len`` tokens (or the lengths it recorded, ``--range-ratio``), so its attention
+work is known exactly, however the engine batches and chunks it (barring preemption):
 
 * prefill: every prompt's causal attention once, ``2 * input_len^2 * head_dim * q_heads``
   FLOPs a layer (QK^T and PV over the causal half), however the engine chunks it;
@@ -43,12 +44,16 @@ PREFILL_CASE = "prefill-1x8192-h28/4-d128"
 
 def attention_work(workload: dict, layers: int, q_heads: int, kv_heads: int, head_dim: int,
                    elt_bytes: int = 2) -> tuple[float, float]:
-    """(prefill FLOPs, decode bytes) of a profiled run of ``attention_share.py``."""
-    n, out = workload["profile_prompts"], workload["output_len"]
-    s = workload["input_len"]
-    flops = layers * n * 2.0 * s * s * head_dim * q_heads
-    ctx = s + out / 2.0
-    decode_bytes = layers * max(out - 1, 0) * n * ctx * 2.0 * kv_heads * head_dim * elt_bytes
+    """(prefill FLOPs, decode bytes) of a profiled run of ``attention_share.py``: its
+    requests' own ``profile_lengths`` when it recorded them (``--range-ratio``), else
+    ``profile_prompts`` requests of ``input_len`` / ``output_len``.  A request of prompt
+    ``s`` and output ``o`` reads ``s + k`` tokens in its k-th decode step, k = 1 .. o - 1."""
+    lens = workload.get("profile_lengths") or (
+        [(workload["input_len"], workload["output_len"])] * workload["profile_prompts"])
+    tokens2 = sum(float(s) * s for s, _ in lens)
+    reads = sum((o - 1) * (s + o / 2.0) for s, o in lens if o > 1)
+    flops = layers * 2.0 * tokens2 * head_dim * q_heads
+    decode_bytes = layers * reads * 2.0 * kv_heads * head_dim * elt_bytes
     return flops, decode_bytes
 
 

@@ -25,7 +25,10 @@
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
 #           then, once all are up, measure one at a time, repeats interleaved)
 #   share   scripts/attention_share.py on the seed workload (SHARE_BACKENDS, default ION vs
-#           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each)
+#           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each;
+#           SHARE_ARGS extra flags, e.g. the skewed workload: "--input-len 4096
+#           --output-len 512 --range-ratio 0.9 --num-prompts 128 --max-num-seqs 64
+#           --profile-prompts 64")
 #   agree   scripts/e2e_agreement.py on the tiny real-weight model (ION, TRITON_ATTN against
 #           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
 #           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
@@ -156,7 +159,7 @@ fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \
     --backends "${SHARE_BACKENDS:-ION,FLASH_ATTN}" --kv-cache-gib "${SHARE_KV_GIB:-30}" \
-    --out "$out/share"
+    ${SHARE_ARGS:-} --out "$out/share"
 fi
 if want agree; then
   for mode in ${AGREE_MODES:-default FULL}; do  # step names: agree-default, agree-FULL

@@ -373,3 +373,79 @@ def test_attention_launches_tell_the_tile_sizes_apart_by_block():
     md = A.render_markdown({"date": "d", "baseline": "FLASH_ATTN", "workload": {}},
                            {"ION": {"attention_launches": rows}}, {})
     assert "| 512 | 132 | 0 | 0.0 | 2 | 2.1 | 1050.0 |" in md
+
+
+def test_request_lengths_uniform_and_skewed():
+    assert A.request_lengths(100, 10, 3, None, 0) == [(100, 10)] * 3
+    assert A.request_lengths(100, 10, 2, 0.0, 0) == [(100, 10)] * 2
+    lens = A.request_lengths(4096, 512, 2000, 0.9, 7)
+    assert lens == A.request_lengths(4096, 512, 2000, 0.9, 7)  # deterministic
+    assert lens != A.request_lengths(4096, 512, 2000, 0.9, 8)
+    ins, outs = [i for i, _ in lens], [o for _, o in lens]
+    assert min(ins) >= int(4096 * 0.1) and max(ins) <= int(4096 * 1.9)
+    assert min(outs) >= int(512 * 0.1) and max(outs) <= int(512 * 1.9)
+    assert max(ins) - min(ins) > 4096  # spread over the range, mean near the middle
+    assert abs(sum(ins) / len(ins) - 4096) < 150
+    with pytest.raises(ValueError, match="range_ratio"):
+        A.request_lengths(10, 10, 1, 1.0, 0)
+    assert A.max_model_len({"input_len": 4096, "output_len": 512, "range_ratio": 0.9}) == (
+        int(4096 * 1.9) + int(512 * 1.9))
+    assert A.max_model_len({"input_len": 7680, "output_len": 512}) == 8192
+
+
+@pytest.mark.parametrize("rr", [None, 0.9])
+def test_child_profiles_the_recorded_lengths(monkeypatch, tmp_path, rr):
+    """``child`` warms up (outputs capped at 16), times, then profiles a batch whose
+    (prompt, output) lengths are ``profile_lengths(cfg)``, the lengths ``main`` records
+    for scripts/e2e_attention_bound.py."""
+    import vllm
+
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            calls.append(("init", kw["max_model_len"]))
+
+        def generate(self, prompts, sps, use_tqdm=False):
+            assert len(prompts) == len(sps)
+            calls.append(("generate", [(len(p["prompt_token_ids"]), s.max_tokens)
+                                       for p, s in zip(prompts, sps)]))
+
+        def start_profile(self, profile_prefix=None):
+            calls.append(("start", profile_prefix))
+
+        def stop_profile(self):
+            calls.append(("stop", None))
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(A, "engine_kwargs", lambda cfg, d: {"max_model_len": A.max_model_len(cfg)})
+    args = A.parse_args(["--model", str(tmp_path), "--input-len", "300", "--output-len", "40",
+                         "--num-prompts", "6", "--max-num-seqs", "4", "--profile-prompts", "5"]
+                        + (["--range-ratio", str(rr)] if rr else []))
+    cfg = A.backend_cfg(args, "ION", str(tmp_path / "t"))
+    res = A.child(cfg)
+    assert res["profiled_wall_s"] >= 0 and res["timed_wall_s"] >= 0
+    kinds = [c[0] for c in calls]
+    assert kinds == ["init", "generate", "generate", "start", "generate", "stop"]
+    warm, timed, prof = calls[1][1], calls[2][1], calls[4][1]
+    assert len(warm) == 4 and all(o <= 16 for _, o in warm) and len(timed) == 6
+    assert prof == [tuple(x) for x in A.profile_lengths(cfg)]
+    assert all(i + o <= calls[0][1] for i, o in warm + timed + prof)
+    if rr:
+        assert len(set(prof)) > 1
+    else:
+        assert prof == [(300, 40)] * 5
+
+
+def test_main_records_the_profiled_lengths(tmp_path):
+    _make_traces(tmp_path)
+    assert A.main(["--parse-only", "--out", str(tmp_path), "--range-ratio", "0.9",
+                   "--profile-prompts", "3", "--input-len", "4096"]) == 0
+    w = json.loads((tmp_path / "attention_share.json").read_text())["meta"]["workload"]
+    assert w["range_ratio"] == 0.9
+    cfg = {"input_len": 4096, "output_len": 512, "profile_prompts": 3, "range_ratio": 0.9,
+           "seed": 0}
+    assert [tuple(x) for x in w["profile_lengths"]] == A.profile_lengths(cfg)
+    assert A.main(["--parse-only", "--out", str(tmp_path)]) == 0
+    assert "profile_lengths" not in json.loads(
+        (tmp_path / "attention_share.json").read_text())["meta"]["workload"]

@@ -77,3 +77,14 @@ def test_recorded_seed_profile_needs_more_than_any_measured_prefill(tmp_path):
     assert r["prefill_gemm_fraction_needed"] > r["best_prefill"]["gemm_fraction"] + 0.1
     assert r["best_prefill"]["bound"] < 1.05
     assert "needs prefill attention" in (tmp_path / "b.md").read_text()
+
+
+def test_attention_work_uses_the_recorded_lengths():
+    """A profile of skewed lengths (attention_share.py --range-ratio) records them; the work
+    is then summed request by request."""
+    w = {"profile_prompts": 2, "input_len": 1000, "output_len": 11,
+         "profile_lengths": [[500, 3], [1500, 1]]}
+    flops, dbytes = bound.attention_work(w, layers=1, q_heads=1, kv_heads=1, head_dim=1)
+    assert flops == 2.0 * (500 * 500 + 1500 * 1500)
+    # request 0 decodes twice, reading 501 and 502 tokens; request 1 never decodes
+    assert dbytes == pytest.approx((501 + 502) * 2 * 2)
