@@ -241,7 +241,6 @@ class ManagerCounters:
     evicted_blocks: int = 0
 
 
-
 @dataclass
 class WorkerStats:
     """Counters of one worker (per process / per TP rank)."""
