@@ -216,8 +216,11 @@ def check_pin_pv_wait(pin_pv_wait):
     return None if pin == PIN_PV_WAIT_DEFAULT else pin
 
 
-#: head size of the only kernels with the 16-byte straddle copy
-VEC_STRADDLE_HEAD_DIM = 128
+#: head sizes whose plans run the 16-byte straddle copy.  The D = 64 kernels compile it
+#: spill-free too (a 48-register producer, twentieth session), and their GPU test forces it
+#: by adding 64 here (tests/test_vec_straddle_gpu.py); 64 joins once that test and the
+#: kernel bench have run on a Hopper GPU.  Other head sizes keep the element-wise copy.
+VEC_STRADDLE_HEAD_DIMS = frozenset({128})
 #: the fused kernels' straddle copy by default: the 16-byte one on every plan (head size
 #: 128).  Until the nineteenth session it was "auto" (16-byte only on plans with a
 #: straddling tile): the 16-byte kernels ran 1.5-2.5% slower where nothing straddles,
@@ -230,14 +233,14 @@ VEC_STRADDLE_DEFAULT = True
 
 def check_vec_straddle(vec_straddle, head_dim: int):
     """``vec_straddle`` as plans of head size ``head_dim`` will use it: ``"auto"``, True or
-    False; False at any head size but ``VEC_STRADDLE_HEAD_DIM`` (those kernels keep the
+    False; False at head sizes outside ``VEC_STRADDLE_HEAD_DIMS`` (their plans keep the
     element-wise copy, so "auto" would compile one kernel twice)."""
     if isinstance(vec_straddle, str):
         if vec_straddle != "auto":
             raise ValueError(f"vec_straddle={vec_straddle!r}: use 'auto', True or False")
     else:
         vec_straddle = bool(vec_straddle)
-    return vec_straddle if int(head_dim) == VEC_STRADDLE_HEAD_DIM else False
+    return vec_straddle if int(head_dim) in VEC_STRADDLE_HEAD_DIMS else False
 
 
 def _or_default(checked, default: bool) -> bool:
@@ -483,8 +486,8 @@ class DevicePlan:
         #: chunks (``IonAttentionSm90(vec_straddle=True)``), False the element-wise ones,
         #: ``"auto"`` the 16-byte ones for a plan with a straddling fresh tile
         #: (``Plan.straddles``) and the element-wise ones otherwise (the default of the
-        #: eighteenth session).  Head size 128 only (the D = 64 producer would spill), so
-        #: other head sizes never run them.
+        #: eighteenth session).  Only at the head sizes of ``VEC_STRADDLE_HEAD_DIMS``
+        #: (128); other head sizes never run them.
         self.vec_straddle_mode = check_vec_straddle(vec_straddle, head_dim)
         #: 128- and 192-row kernels whose idle consumer warpgroups issue no wgmma (an
         #: experiment: ``IonAttentionSm90(skip_idle=True)``; 64-row plans ignore it)

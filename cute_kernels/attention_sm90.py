@@ -42,9 +42,9 @@ When valid rows reach into the next page, the producer warp copies those rows (t
 ``P - pos % P ..``) into rows ``0 ..`` of that page with plain stores: a TMA store there would
 need a negative row coordinate, which the H200 rejects (``cudaErrorIllegalInstruction``).
 Only prefill chunks whose context is not page-aligned straddle; decode tiles never do.
-(``vec_straddle=True``, D = 128: that copy moves 16-byte chunks, ``STRADDLE_BATCH`` loads
-then as many stores a lane an iteration, instead of one element; ``DevicePlan`` runs
-these kernels for plans with a straddling tile and the element-wise ones otherwise.)
+(``vec_straddle=True``: that copy moves 16-byte chunks, ``STRADDLE_BATCH`` loads then as
+many stores a lane an iteration, instead of one element; ``DevicePlan`` runs these kernels
+at the head sizes of ``attention.VEC_STRADDLE_HEAD_DIMS``, on every fused plan by default.)
 Before a stage is refilled the producer waits for the store that read it
 (``cp.async.bulk.wait_group.read``)
 and before exit for all stores (``cp.async.bulk.wait_group 0``).  No item reads the fresh
@@ -189,10 +189,10 @@ class IonAttentionSm90:
         # fresh_kv only: the straddle copy (the rows of a fresh tile that reach into the
         # next page) moves STRADDLE_BATCH 16-byte chunks (8 elements of a row each) a lane
         # an iteration instead of one element; with False the generated code is the
-        # element-wise copy.  D = 128
-        # only: at D = 64 the 40-register producer spills with the 128-bit copy, so those
-        # variants keep the element-wise one (tests/test_fused_writeback_cpu.py)
-        self.vec_straddle = bool(vec_straddle) and self.fresh_kv and head_dim == 128
+        # element-wise copy.  At D = 64 the 40-register producer spills with the 128-bit
+        # copy, so those kernels give the producer 48 (below); which head sizes plans run
+        # it at is ``attention.VEC_STRADDLE_HEAD_DIMS`` (tests/test_fused_writeback_cpu.py)
+        self.vec_straddle = bool(vec_straddle) and self.fresh_kv
         # consumers >= 2 only: a consumer warpgroup whose rows hold no token of the item (a
         # decode row's tile at 128 or 192 rows, the tail tile of a chunk) issues no wgmma
         # for it and only paces the K/V pipelines; with False the generated code computes
@@ -219,6 +219,18 @@ class IonAttentionSm90:
             # variants issue 66 at any budget from 136 to 160.
             self.producer_regs = 40 if self.fresh_kv else 24
             self.consumer_regs = 144
+        if self.vec_straddle and head_dim == 64:
+            # the 128-bit straddle copy at D = 64: ptxas spills the 40-register producer
+            # (9-10 STL at any batch, even one chunk a lane) and not a 48-register one; the
+            # consumers give up 8 (2 CTAs: 128 x 48 + 128 x 208 = 32768; 2 consumers:
+            # 128 x 48 + 256 x 224 = 63488 <= 384 x 168 at entry; 3: 128 x 48 + 384 x 144
+            # = 61440), with the same steady state (68 / 100 MUFU.EX2, no spills; the
+            # D = 64 consumer holds half D = 128's O accumulator)
+            self.producer_regs = 48
+            if consumers == 1 and ctas_per_sm == 2:
+                self.consumer_regs = 208
+            elif consumers == 2:
+                self.consumer_regs = 224
         # unpacked prefill tiles (work col 8 >= 0): a second Q TMA atom (1 head x 64 tokens)
         # and a runtime row -> token shift.  Compile-time: with False the code is unchanged.
         self.unpacked = bool(unpacked_prefill)

@@ -843,7 +843,8 @@ def test_vec_straddle_switch_reaches_every_device_plan(make_config, monkeypatch)
         assert b.fresh_kv and b.vec_straddle == want and len(plans) >= 2
         assert all(p.vec_straddle_mode == want and p.vec_straddle is (want is True)
                    for p in plans), env
-        # head size 64 has only the element-wise copy, whatever the switch says
+        # head size 64 runs the element-wise copy whatever the switch says (64 is not in
+        # attention.VEC_STRADDLE_HEAD_DIMS)
         assert IonAttentionMetadataBuilder(kv_spec(), [], cfg,
                                            torch.device("cpu")).vec_straddle is False
     monkeypatch.setenv(backend_mod.FUSED_KV_ENV, "0")

@@ -451,27 +451,35 @@ def test_default_kernel_has_no_tma_store():
 
 @pytest.mark.parametrize("vi,unpacked,consumers,kv_pair", [
     (7, False, 1, False), (1, True, 1, False), (7, True, 2, False), (7, True, 3, False),
-    (1, True, 3, False), (7, True, 2, True)],
+    (1, True, 3, False), (7, True, 2, True), (0, False, 1, False), (9, True, 2, False)],
     ids=["bf16-128-8-m64", "bf16-64-2-unpacked", "bf16-128-8-m128", "bf16-128-8-m192",
-         "bf16-64-2-m192", "bf16-128-8-pairs"])
+         "bf16-64-2-m192", "bf16-128-8-pairs", "bf16-64-1-m64", "f16-64-2-m128"])
 def test_vec_straddle_variants_copy_16_bytes_a_lane(vi, unpacked, consumers, kv_pair):
     """``vec_straddle=True``: the straddle copy (K and V) is 128-bit shared loads and global
     stores, with no element-wise ones left, the TMA writeback unchanged and no spills; with
     False the kernel is the element-wise one (``st.global.b16``, ``ld.shared.b16``).  At
-    D = 64 the flag is dropped and the PTX is the element-wise kernel's."""
+    D = 64 the 16-byte kernels give the producer 48 registers (it spills at 40) and the
+    consumers 8 fewer, with the same steady state (MUFU.EX2 count) as the element-wise
+    kernel's."""
     v = ALL_VARIANTS[vi]
-    arts = {}
+    arts, kern = {}, {}
     for vs in (False, True):
         fn = attention.make_fused_kernel(v, unpacked, consumers=consumers, kv_pair=kv_pair,
                                          vec_straddle=vs)
-        # D = 64: the producer would spill, so the flag is dropped (element-wise copy)
-        assert fn.__self__.vec_straddle is (vs and v.head_dim == 128)
+        kern[vs] = fn.__self__
+        assert kern[vs].vec_straddle is vs
         arts[vs] = compile_sm90a(fn, *attention.fused_fake_args(v, unpacked),
                                  compile_options="--enable-tvm-ffi", keep_cubin=True)
     plain, vec = arts[False], arts[True]
-    if v.head_dim != 128:
-        assert vec.ptx == plain.ptx
-        return
+    if v.head_dim == 64:
+        assert (kern[False].producer_regs, kern[True].producer_regs) == (40, 48)
+        assert kern[True].consumer_regs == {1: 208, 2: 224, 3: 144}[consumers]
+        k = kern[True]  # the register budget fits: setmaxnreg never waits for registers
+        entry = {1: 128, 2: 168, 3: 128}[consumers] * k.threads
+        assert 128 * k.producer_regs + 128 * consumers * k.consumer_regs <= entry
+    else:
+        assert kern[True].producer_regs == kern[False].producer_regs
+        assert kern[True].consumer_regs == kern[False].consumer_regs
     assert plain.count(r"st\.global\.b16") >= 2 and plain.has("ld.shared.b16")
     assert not vec.has("st.global.b16") and not vec.has("ld.shared.b16")
     assert vec.count(r"st\.global\.v4\.b32") >= 2, "K and V straddle rows, 16 bytes a lane"
@@ -484,6 +492,7 @@ def test_vec_straddle_variants_copy_16_bytes_a_lane(vi, unpacked, consumers, kv_
     if sass is not None:
         assert "STG.E.128" in sass and "LDS.128" in sass and "STG.E.U16" not in sass
         assert "STL" not in sass and "LDL" not in sass, "ptxas spilled registers"
+        assert sass.count("MUFU.EX2") == _sass(plain.cubin).count("MUFU.EX2")
     # the plain kernel (no fresh_kv) has no straddle copy at all: the flag is dropped
     from cute_kernels.attention_sm90 import IonAttentionSm90
     import cutlass

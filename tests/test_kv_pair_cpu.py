@@ -423,8 +423,8 @@ def test_launch_and_precompile_carry_vec_straddle_and_skip_idle(monkeypatch):
                      ("attn", False, 3, False, False, None, None, None, True),
                      ("fused", False, 3, False, False, None, None, None, True, True)]
     # the default (True) compiles each fused kernel with the 16-byte copy, "auto" both
-    # copies, False only the element-wise one; at head size 64 every mode is False (no
-    # 16-byte kernels)
+    # copies, False only the element-wise one; at head size 64 every mode is False (not in
+    # VEC_STRADDLE_HEAD_DIMS until its 16-byte kernels have run on a GPU)
     for vs, d, want in ((None, 128, [True]), ("auto", 128, [False, True]),
                         (False, 128, [False]), ("auto", 64, [False]), (None, 64, [False])):
         calls.clear()
@@ -473,8 +473,14 @@ def test_auto_vec_straddle_follows_each_uploaded_plan(monkeypatch):
         # an attention-only plan never straddles (its kernels read new K/V from the cache)
         assert not planner.plan(np.array([0, 300], np.int32), np.array([1323], np.int32),
                                 num_kv_heads=4, group_size=7).straddles
-    # head size 64 has no 16-byte kernels: "auto" and True both run the element-wise copy
+    # head size 64 plans run the element-wise copy ("auto" and True alike) while 64 is not
+    # in VEC_STRADDLE_HEAD_DIMS; with it they run the 16-byte kernels as at 128
+    assert attention.VEC_STRADDLE_HEAD_DIMS == frozenset({128})
     assert attention.check_vec_straddle("auto", 64) is False
     assert attention.check_vec_straddle(True, 64) is False
+    monkeypatch.setattr(attention, "VEC_STRADDLE_HEAD_DIMS", frozenset({64, 128}))
+    assert attention.check_vec_straddle("auto", 64) == "auto"
+    assert attention.check_vec_straddle(True, 64) is True
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="vec_straddle"):
         attention.check_vec_straddle("yes", 128)

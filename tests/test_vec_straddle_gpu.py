@@ -16,8 +16,9 @@ untouched.
 ``skip_idle`` (``IonAttentionSm90(skip_idle=True)``, ``ION_SKIP_IDLE=1``): on the 128- and
 192-row kernels a consumer warpgroup whose rows hold no token of an item issues no wgmma
 for it; the same checks on the same batches (decode rows and chunk tails are such items).
-D = 64 variants keep the element-wise straddle copy (their producer would spill), so the
-D = 64 case here runs that one."""
+The D = 64 kernels compile the 16-byte copy spill-free with a 48-register producer
+(twentieth session), but plans at D = 64 run it only once ``attention.VEC_STRADDLE_HEAD_DIMS``
+holds 64; the D = 64 case here adds it for the test, so it checks those kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -37,12 +38,16 @@ ROWS = [(1, 8000), (700, 1 * P + 1), (1, 3000), (513, 5 * P + 31), (390, 2 * P +
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_m", [64, 128, 192])
 @pytest.mark.parametrize("d,hq,hkv", [(128, 28, 4), (64, 16, 8)])
-def test_vec_straddle_matches_the_reference(tile_m, d, hq, hkv):
+def test_vec_straddle_matches_the_reference(tile_m, d, hq, hkv, monkeypatch):
+    from cute_kernels import attention
+
+    monkeypatch.setattr(attention, "VEC_STRADDLE_HEAD_DIMS", frozenset({64, 128}))
     q_lens = [q for q, _ in ROWS]
     seq_lens = [q + c for q, c in ROWS]
-    _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, seed=tile_m + d, pad_rows=5,
-              strided=True, plan_kw=dict(vec_straddle=True, tile_m=tile_m,
-                                         unpacked_prefill=True))
+    plan = _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, seed=tile_m + d, pad_rows=5,
+                     strided=True, plan_kw=dict(vec_straddle=True, tile_m=tile_m,
+                                                unpacked_prefill=True))
+    assert plan.vec_straddle  # the 16-byte kernels ran, at D = 64 too
 
 
 @pytest.mark.gpu
@@ -62,6 +67,31 @@ def test_vec_straddle_random_chunks(seed):
               force_split=seed % 2 == 0, strided=bool(seed % 2),
               plan_kw=dict(vec_straddle=True, tile_m=(64, 128, 192, 128)[seed],
                            unpacked_prefill=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_vec_straddle_random_chunks_d64(seed, monkeypatch):
+    """The D = 64 16-byte kernels (48-register producer) on random chunks, split-KV forced
+    on every other case, every tile size."""
+    from cute_kernels import attention
+
+    monkeypatch.setattr(attention, "VEC_STRADDLE_HEAD_DIMS", frozenset({64, 128}))
+    rng = np.random.default_rng(200 + seed)
+    q_lens, seq_lens = [], []
+    for _ in range(int(rng.integers(2, 10))):
+        if rng.random() < 0.4:
+            ql, ctx = 1, int(rng.integers(0, 4000))
+        else:
+            ql, ctx = int(rng.integers(2, 1500)), int(rng.integers(0, 3000))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+    hq, hkv = [(16, 8), (32, 4), (8, 8)][seed]
+    plan = _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=64, seed=50 + seed,
+                     pad_rows=int(seed), force_split=seed % 2 == 0, strided=bool(seed % 2),
+                     plan_kw=dict(vec_straddle=True, tile_m=(64, 128, 192)[seed],
+                                  unpacked_prefill=True))
+    assert plan.vec_straddle
 
 
 @pytest.mark.gpu
