@@ -440,3 +440,20 @@ def test_append_and_fused_backends(monkeypatch):
     kr.PREPARE["ion-auto-fused-vs-si"](mixed, 0, "cpu", {}).call()
     assert plans[-1] == dict(kr.auto_plan_options(mixed), fresh_kv=True, vec_straddle=True,
                              skip_idle=True)
+    # ion-auto-fused-vs64: ion-auto-fused-vs whose plan runs the 16-byte kernels at head
+    # size 64 too (make_device_plan gives such plans the element-wise ones)
+    assert "ion-auto-fused-vs64" in kr.BACKENDS
+
+    class FakePlan:
+        vec_straddle_mode = False
+
+    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **o: plans.append(o) or FakePlan())
+    for c, want in ((mixed, True), (Case("m128", q_lens=(1, 300), kv_lens=(900, 300),
+                                         hq=8, hkv=2, d=128), False)):
+        shared = {}
+        for rot in (0, 1):
+            calls.clear()
+            kr.PREPARE["ion-auto-fused-vs64"](c, rot, "cpu", shared).call()
+            assert calls == [("attn", ["key", "plan", "value"])]
+        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, vec_straddle=True)
+        assert shared["ion_plan"].vec_straddle_mode is want  # D = 64 forced, D = 128 as asked

@@ -141,6 +141,22 @@ def test_chunked_prefill_steps_follow_the_scheduler():
         ks.chunked_prefill_steps(0, 10, 10, 1)
 
 
+def test_engine_d64_suite_is_the_engine_steps_at_head_size_64():
+    """Suite engine-d64: suite engine's steps and page-aligned twins at 32 q / 8 KV heads,
+    d 64 (the 16-byte straddle copy of the D = 64 kernels against the element-wise one)."""
+    eng = {c.name: c for c in ks.suite("engine")}
+    cases = ks.suite("engine-d64")
+    assert cases and {c.name for c in cases} <= {c.name for c in ks.suite("full")}
+    for c in cases:
+        assert (c.hq, c.hkv, c.d, c.qkv_layout) == (32, 8, 64, "separate")
+        twin = eng[c.name.replace("engine-d64-", "engine-seed-")]
+        assert (c.q_lens, c.kv_lens) == (twin.q_lens, twin.kv_lens)
+    base = [c for c in cases if not c.name.endswith("-aligned")]
+    assert len(base) == len(ks.ENGINE_SEED_STEPS)
+    assert all(any(q > 1 and (k - q) % ks.ION_PAGE for q, k in zip(c.q_lens, c.kv_lens))
+               for c in base)
+
+
 def test_engine_suite_pairs_each_step_with_its_aligned_and_strided_twins():
     cases = ks.suite("engine")
     by = {c.name: c for c in cases}

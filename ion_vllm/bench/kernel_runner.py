@@ -35,7 +35,7 @@ BACKENDS = ("ion", "ion-auto", "ion-auto-rc", "ion-auto-gc", "ion-auto-p128", "i
             "ion-auto-pin", "ion-auto-fused-pin", "ion-auto-c3", "ion-auto-fused-c3",
             "ion-auto-nsu", "ion-auto-fused-nsu", "ion-auto-fused-t128",
             "ion-auto-fused-t192", "ion-auto-fused-vs", "ion-auto-fused-novs", "ion-auto-fused-si",
-            "ion-auto-fused-vs-si",
+            "ion-auto-fused-vs-si", "ion-auto-fused-vs64",
             "ion-unpacked",
             "ion-m128", "ion-m128-unpacked", "fa3", "fa3-layer", "fa4", "triton")
 H200_L2_BYTES = 50 * 1024 * 1024
@@ -702,6 +702,19 @@ def prepare_ion_auto_fused_vs_si(case: Case, rot: int, device, shared: dict) -> 
                                   skip_idle=True)
 
 
+def prepare_ion_auto_fused_vs64(case: Case, rot: int, device, shared: dict) -> Prepared:
+    """``ion-auto-fused-vs`` that also runs the 16-byte straddle copy at head size 64: the
+    D = 64 kernels compile it spill-free (a 48-register producer), but plans run it only
+    at ``attention.VEC_STRADDLE_HEAD_DIMS`` (128) until it has run on a Hopper GPU.  This
+    backend sets the one plan it builds to those kernels, so that an interleaved run can
+    time them against ``ion-auto-fused`` (element-wise at D = 64) and FA3 (suite
+    ``engine-d64``).  At D = 128 it is ``ion-auto-fused-vs``."""
+    prep = prepare_ion_auto_fused(case, rot, device, shared, vec_straddle=True)
+    if case.d == 64:
+        shared["ion_plan"].vec_straddle_mode = True  # the plan every rotation's call uses
+    return prep
+
+
 PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prepare_ion_auto_rc,
            "ion-auto-gc": prepare_ion_auto_gc, "ion-auto-p128": prepare_ion_auto_p128,
            "ion-auto-lr": prepare_ion_auto_lr, "ion-auto-pdl": prepare_ion_auto_pdl,
@@ -723,6 +736,7 @@ PREPARE = {"ion": prepare_ion, "ion-auto": prepare_ion_auto, "ion-auto-rc": prep
            "ion-auto-fused-novs": prepare_ion_auto_fused_novs,
            "ion-auto-fused-si": prepare_ion_auto_fused_si,
            "ion-auto-fused-vs-si": prepare_ion_auto_fused_vs_si,
+           "ion-auto-fused-vs64": prepare_ion_auto_fused_vs64,
            "ion-unpacked": prepare_ion_unpacked,
            "ion-m128": prepare_ion_m128, "ion-m128-unpacked": prepare_ion_m128_unpacked,
            "fa3": prepare_fa3, "fa3-layer": prepare_fa3_layer, "fa4": prepare_fa4,

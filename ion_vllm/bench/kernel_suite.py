@@ -275,6 +275,30 @@ def _engine() -> list[Case]:
     return cases
 
 
+#: the attention shape of head-size-64 models with GQA (e.g. Llama-3.2-1B: 32 q / 8 KV heads)
+D64_HQ, D64_HKV = 32, 8
+
+
+def _engine_d64() -> list[Case]:
+    """Suite ``engine``'s steps (and page-aligned twins) at head size 64: where the D = 64
+    fused kernels copy the straddled rows of a continued prompt element-wise, against the
+    16-byte copy of ``ion-auto-fused-vs64`` (twentieth session) and FA3."""
+    steps = chunked_prefill_steps(32, 7680, 8192, 32)
+    cases = []
+    for i in ENGINE_SEED_STEPS:
+        q_lens, kv_lens = steps[i]
+        ndec = sum(1 for q in q_lens if q == 1)
+        name = f"engine-d64-s{i:02d}-{ndec}d+" + "+".join(
+            f"{q}c{k - q}" if k > q else f"{q}" for q, k in zip(q_lens, kv_lens) if q > 1)
+        cases.append(Case(name, q_lens, kv_lens, hq=D64_HQ, hkv=D64_HKV, d=64))
+        aligned_kv = tuple(k if q == 1 else q + (k - q) // ION_PAGE * ION_PAGE
+                           for q, k in zip(q_lens, kv_lens))
+        if aligned_kv != kv_lens:
+            cases.append(Case(name + "-aligned", q_lens, aligned_kv, hq=D64_HQ, hkv=D64_HKV,
+                              d=64))
+    return cases
+
+
 def _chunks() -> list[Case]:
     return [prefill_chunk(2048, 6144), prefill_chunk(4096, 4096)]
 
@@ -331,7 +355,8 @@ def _dedupe(cases: list[Case]) -> list[Case]:
     return list(seen.values())
 
 
-SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "multi", "engine", "full")
+SUITES = ("smoke", "anchors", "gqa", "pages", "chunks", "steps", "multi", "engine",
+          "engine-d64", "full")
 
 
 def suite(name: str) -> list[Case]:
@@ -351,9 +376,11 @@ def suite(name: str) -> list[Case]:
         return _multi()
     if name == "engine":
         return _engine()
+    if name == "engine-d64":
+        return _engine_d64()
     if name == "full":
         return _dedupe(_anchors() + _gqa() + _pages() + _chunks() + _steps() + _multi()
-                       + _engine())
+                       + _engine() + _engine_d64())
     raise KeyError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
 
 
