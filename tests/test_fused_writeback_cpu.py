@@ -451,9 +451,11 @@ def test_default_kernel_has_no_tma_store():
 
 @pytest.mark.parametrize("vi,unpacked,consumers,kv_pair", [
     (7, False, 1, False), (1, True, 1, False), (7, True, 2, False), (7, True, 3, False),
-    (1, True, 3, False), (7, True, 2, True), (0, False, 1, False), (9, True, 2, False)],
+    (1, True, 3, False), (7, True, 2, True), (0, False, 1, False), (9, True, 2, False),
+    (3, True, 2, True)],
     ids=["bf16-128-8-m64", "bf16-64-2-unpacked", "bf16-128-8-m128", "bf16-128-8-m192",
-         "bf16-64-2-m192", "bf16-128-8-pairs", "bf16-64-1-m64", "f16-64-2-m128"])
+         "bf16-64-2-m192", "bf16-128-8-pairs", "bf16-64-1-m64", "f16-64-2-m128",
+         "bf16-64-8-pairs"])
 def test_vec_straddle_variants_copy_16_bytes_a_lane(vi, unpacked, consumers, kv_pair):
     """``vec_straddle=True``: the straddle copy (K and V) is 128-bit shared loads and global
     stores, with no element-wise ones left, the TMA writeback unchanged and no spills; with

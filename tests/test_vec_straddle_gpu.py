@@ -95,13 +95,18 @@ def test_vec_straddle_random_chunks_d64(seed, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_vec_straddle_on_page_pairs():
+@pytest.mark.parametrize("d,hq,hkv", [(128, 28, 4), (64, 32, 4)])
+def test_vec_straddle_on_page_pairs(d, hq, hkv, monkeypatch):
     # the page-pair kernels store a fresh tile from half a stage (_store_fresh_half)
+    from cute_kernels import attention
+
+    monkeypatch.setattr(attention, "VEC_STRADDLE_HEAD_DIMS", frozenset({64, 128}))
     q_lens = [q for q, _ in ROWS]
     seq_lens = [q + c for q, c in ROWS]
-    _run_case(q_lens, seq_lens, hq=28, hkv=4, d=128, seed=7, strided=True,
-              plan_kw=dict(vec_straddle=True, tile_m=128, unpacked_prefill=True,
-                           kv_pair=True))
+    plan = _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=d, seed=7, strided=True,
+                     plan_kw=dict(vec_straddle=True, tile_m=128, unpacked_prefill=True,
+                                  kv_pair=True))
+    assert plan.vec_straddle
 
 
 @pytest.mark.gpu
