@@ -248,30 +248,39 @@ def chunked_prefill_steps(n_prompts: int, prompt_len: int, budget: int,
 ENGINE_SEED_STEPS = (2, 9, 20, 29)
 
 
-def _engine() -> list[Case]:
-    """The prefill-carrying steps of the seventeenth session's profile, where ION's
-    192-row kernel averaged 1,099 us a call in the engine against FA3's 963, while the
-    kernel bench had it at FA3's speed on fresh-chunk steps.  Each step as the scheduler
-    makes it (``chunked_prefill_steps``: decodes at ~7.7k, a prompt continuing at a context
-    that is rarely a multiple of 64, a fresh prompt start), then the same step with that
-    context rounded down to a page (``-aligned``: the fused writeback never straddles a
-    page), then with the engine's strided q/key/value (``-qkv``): which of the two is the
-    engine's extra cost."""
+def _engine_steps(prefix: str, **shape) -> list[tuple[str, Case, Case | None]]:
+    """Each step of ``ENGINE_SEED_STEPS`` as the scheduler makes it
+    (``chunked_prefill_steps``: decodes at ~7.7k, a prompt continuing at a context that is
+    rarely a multiple of 64, a fresh prompt start), named ``<prefix>-sNN-...``, with the
+    attention ``shape`` (``Case`` fields), and its page-aligned twin (``-aligned``: every
+    prefill's context rounded down to a page, new tokens unchanged, so the attended pairs
+    move by < 64 a query and the fused writeback never straddles a page; None when the
+    step is already aligned)."""
     steps = chunked_prefill_steps(32, 7680, 8192, 32)
-    cases = []
+    out = []
     for i in ENGINE_SEED_STEPS:
         q_lens, kv_lens = steps[i]
         ndec = sum(1 for q in q_lens if q == 1)
-        name = f"engine-seed-s{i:02d}-{ndec}d+" + "+".join(
+        name = f"{prefix}-s{i:02d}-{ndec}d+" + "+".join(
             f"{q}c{k - q}" if k > q else f"{q}" for q, k in zip(q_lens, kv_lens) if q > 1)
-        cases.append(Case(name, q_lens, kv_lens))
-        # the same rows with every prefill's context rounded down to a page, new tokens
-        # unchanged (the attended pairs move by < 64 a query)
         aligned_kv = tuple(k if q == 1 else q + (k - q) // ION_PAGE * ION_PAGE
                            for q, k in zip(q_lens, kv_lens))
-        if aligned_kv != kv_lens:
-            cases.append(Case(name + "-aligned", q_lens, aligned_kv))
-        cases.append(Case(name + "-qkv", q_lens, kv_lens, qkv_layout="fused"))
+        aligned = (Case(name + "-aligned", q_lens, aligned_kv, **shape)
+                   if aligned_kv != kv_lens else None)
+        out.append((name, Case(name, q_lens, kv_lens, **shape), aligned))
+    return out
+
+
+def _engine() -> list[Case]:
+    """The prefill-carrying steps of the seventeenth session's profile, where ION's
+    192-row kernel averaged 1,099 us a call in the engine against FA3's 963, while the
+    kernel bench had it at FA3's speed on fresh-chunk steps.  Each step
+    (``_engine_steps``), then its page-aligned twin, then the step with the engine's
+    strided q/key/value (``-qkv``): which of the two is the engine's extra cost."""
+    cases = []
+    for name, case, aligned in _engine_steps("engine-seed"):
+        cases += [case] + ([aligned] if aligned else [])
+        cases.append(Case(name + "-qkv", case.q_lens, case.kv_lens, qkv_layout="fused"))
     return cases
 
 
@@ -283,19 +292,9 @@ def _engine_d64() -> list[Case]:
     """Suite ``engine``'s steps (and page-aligned twins) at head size 64: where the D = 64
     fused kernels copy the straddled rows of a continued prompt element-wise, against the
     16-byte copy of ``ion-auto-fused-vs64`` (twentieth session) and FA3."""
-    steps = chunked_prefill_steps(32, 7680, 8192, 32)
     cases = []
-    for i in ENGINE_SEED_STEPS:
-        q_lens, kv_lens = steps[i]
-        ndec = sum(1 for q in q_lens if q == 1)
-        name = f"engine-d64-s{i:02d}-{ndec}d+" + "+".join(
-            f"{q}c{k - q}" if k > q else f"{q}" for q, k in zip(q_lens, kv_lens) if q > 1)
-        cases.append(Case(name, q_lens, kv_lens, hq=D64_HQ, hkv=D64_HKV, d=64))
-        aligned_kv = tuple(k if q == 1 else q + (k - q) // ION_PAGE * ION_PAGE
-                           for q, k in zip(q_lens, kv_lens))
-        if aligned_kv != kv_lens:
-            cases.append(Case(name + "-aligned", q_lens, aligned_kv, hq=D64_HQ, hkv=D64_HKV,
-                              d=64))
+    for _, case, aligned in _engine_steps("engine-d64", hq=D64_HQ, hkv=D64_HKV, d=64):
+        cases += [case] + ([aligned] if aligned else [])
     return cases
 
 

@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from ion_vllm.kv_tier.stats import M, ManagerCounters
+from ion_vllm.kv_tier.stats import M, ManagerCounters, add_counter_growth
 
 #: (metric, ``ManagerCounters`` field) exported as counters by ``get_stats``
 _COUNTER_METRICS = (
@@ -311,12 +311,8 @@ class IonKVTierManager(OffloadingManager):
         )
 
         s = OffloadingConnectorStats()
-        now = _counter_values(self.counters)
-        if now != self._reported:
-            for (name, _), a, b in zip(_COUNTER_METRICS, now, self._reported):
-                if a != b:
-                    s.increase_counter(name, a - b)
-            self._reported = now
+        self._reported = add_counter_growth(s, _COUNTER_METRICS, _counter_values(self.counters),
+                                            self._reported)
         n = self.num_host_blocks
         gauges = (self.used_bytes, len(self._entries) / n if n else 0.0,
                   self._inflight / self.max_inflight_blocks)

@@ -212,17 +212,23 @@ def process_counter_values() -> tuple:
     return _process_values(PROCESS_COUNTERS)
 
 
-def add_process_counters(stats: Any, seen: tuple) -> tuple:
-    """Add the growth of ``PROCESS_COUNTERS`` since ``seen`` (a
-    ``process_counter_values()`` tuple) to an ``OffloadingConnectorStats`` as counters;
-    returns the new ``seen``.  Called every engine step: when nothing moved (most decode
-    steps) it costs one tuple comparison."""
-    now = _process_values(PROCESS_COUNTERS)
+def add_counter_growth(stats: Any, metrics, now: tuple, seen: tuple) -> tuple:
+    """Add the growth ``now - seen`` of monotonic counters (tuples in the order of
+    ``metrics``, pairs (metric, field)) to an ``OffloadingConnectorStats`` as counters,
+    metric by metric where it grew; returns ``now`` (the next ``seen``).  Called every
+    engine step: when nothing moved (most decode steps) it costs one tuple comparison."""
     if now != seen:
-        for (name, _), a, b in zip(_PROCESS_METRICS, now, seen):
+        for (name, _), a, b in zip(metrics, now, seen):
             if a - b > 0:
                 stats.increase_counter(name, a - b)
     return now
+
+
+def add_process_counters(stats: Any, seen: tuple) -> tuple:
+    """Add the growth of ``PROCESS_COUNTERS`` since ``seen`` (a
+    ``process_counter_values()`` tuple) to an ``OffloadingConnectorStats`` as counters;
+    returns the new ``seen``."""
+    return add_counter_growth(stats, _PROCESS_METRICS, _process_values(PROCESS_COUNTERS), seen)
 
 
 @dataclass
