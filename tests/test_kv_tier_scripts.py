@@ -155,20 +155,27 @@ def test_preempt_fp32_children_run_without_tf32(monkeypatch):
     assert "TRITON_F32_DEFAULT" not in auto
 
 
+SCHED_COST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "kv_tier_sched_cost.py")
+
+
+def _sched_cost(tmp_path, *args):
+    """Run scripts/kv_tier_sched_cost.py with ``args`` (offline); assert it succeeded and
+    return (the completed process, the runs it wrote)."""
+    out = tmp_path / "runs.json"
+    r = subprocess.run([sys.executable, SCHED_COST, *args, "--out", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r, json.loads(out.read_text())
+
+
 def test_sched_cost_script_times_both_policies(tmp_path):
     """scripts/kv_tier_sched_cost.py drives vLLM's scheduler with the Ion manager under
     both policies: eager stores decode blocks (many more store jobs than prompt-only),
     and every timing it reports is positive."""
-    out = tmp_path / "runs.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "scripts", "kv_tier_sched_cost.py")
-    r = subprocess.run([sys.executable, script,
-                        "--requests", "4", "--prompt", "64", "--gen", "80", "--repeats", "1",
-                        "--out", str(out)], capture_output=True, text=True, env=env,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    runs = json.loads(out.read_text())
+    r, runs = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64", "--gen", "80",
+                          "--repeats", "1")
     eager, prompt_only = runs
     assert (eager["prompt_only"], prompt_only["prompt_only"]) == (False, True)
     # 4 requests x 80 generated tokens = 20 decode blocks of 16 tokens stored only eagerly
@@ -182,16 +189,8 @@ def test_sched_cost_script_times_both_policies(tmp_path):
 def test_sched_cost_script_times_vllms_own_manager(tmp_path):
     """``--configs eager,native-default`` runs vLLM's own CPUOffloadingSpec manager through
     the same harness: it stores prompt blocks only, and its methods are timed as Ion's."""
-    out = tmp_path / "runs.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "scripts", "kv_tier_sched_cost.py")
-    r = subprocess.run([sys.executable, script, "--requests", "4", "--prompt", "64",
-                        "--gen", "80", "--repeats", "1", "--configs", "eager,native-default",
-                        "--out", str(out)], capture_output=True, text=True, env=env,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    eager, native = json.loads(out.read_text())
+    _, (eager, native) = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64", "--gen",
+                                     "80", "--repeats", "1", "--configs", "eager,native-default")
     assert (eager["config"], native["config"]) == ("eager", "native-default")
     assert eager["manager"] == "IonKVTierSchedulerManager"
     assert native["manager"] == "CPUOffloadingManager"
@@ -199,8 +198,9 @@ def test_sched_cost_script_times_vllms_own_manager(tmp_path):
     # 4 prompts of 64 tokens = 4 blocks each; the 80 answer tokens' 5 blocks only eagerly
     assert native["store_jobs"] <= 8 and eager["store_jobs"] >= native["store_jobs"] + 16
     assert native["manager_us_per_step"]["get_stats"] > 0
-    bad = subprocess.run([sys.executable, script, "--configs", "eager,nope"],
-                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    bad = subprocess.run([sys.executable, SCHED_COST, "--configs", "eager,nope"],
+                         capture_output=True, text=True, timeout=600, check=False,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
@@ -209,16 +209,9 @@ def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
     preempted request still has store jobs in flight, which vLLM flushes (the worker's
     host wait); the script counts both, and prompt-only storing has no more jobs to
     flush than eager storing."""
-    out = tmp_path / "runs.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "scripts", "kv_tier_sched_cost.py")
-    r = subprocess.run([sys.executable, script, "--requests", "4", "--prompt", "64",
-                        "--gen", "200", "--repeats", "1", "--pool-requests", "2",
-                        "--store-lag", "4", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    eager, prompt_only = json.loads(out.read_text())
+    r, (eager, prompt_only) = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64",
+                                          "--gen", "200", "--repeats", "1",
+                                          "--pool-requests", "2", "--store-lag", "4")
     assert eager["preemptions"] > 0 and prompt_only["preemptions"] > 0
     assert eager["flushed_jobs"] > 0 and eager["flush_steps"] > 0
     assert eager["flushed_jobs"] >= prompt_only["flushed_jobs"]

@@ -35,6 +35,20 @@ ROWS = [(1, 8000), (700, 1 * P + 1), (1, 3000), (513, 5 * P + 31), (390, 2 * P +
         (70, 3 * P + 40), (1, 130), (300, 0), (0, 77), (1000, 7 * P + 17)]
 
 
+def _random_chunks(rng) -> tuple[list[int], list[int]]:
+    """(q_lens, seq_lens) of 2-9 rows: decode rows (40%) at contexts < 4000, the rest
+    chunks of 2-1499 tokens at contexts < 3000 (any straddle remainder)."""
+    q_lens, seq_lens = [], []
+    for _ in range(int(rng.integers(2, 10))):
+        if rng.random() < 0.4:
+            ql, ctx = 1, int(rng.integers(0, 4000))
+        else:
+            ql, ctx = int(rng.integers(2, 1500)), int(rng.integers(0, 3000))
+        q_lens.append(ql)
+        seq_lens.append(ql + ctx)
+    return q_lens, seq_lens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_m", [64, 128, 192])
 @pytest.mark.parametrize("d,hq,hkv", [(128, 28, 4), (64, 16, 8)])
@@ -53,15 +67,7 @@ def test_vec_straddle_matches_the_reference(tile_m, d, hq, hkv, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_vec_straddle_random_chunks(seed):
-    rng = np.random.default_rng(100 + seed)
-    q_lens, seq_lens = [], []
-    for _ in range(int(rng.integers(2, 10))):
-        if rng.random() < 0.4:
-            ql, ctx = 1, int(rng.integers(0, 4000))
-        else:
-            ql, ctx = int(rng.integers(2, 1500)), int(rng.integers(0, 3000))
-        q_lens.append(ql)
-        seq_lens.append(ql + ctx)
+    q_lens, seq_lens = _random_chunks(np.random.default_rng(100 + seed))
     hq, hkv = [(28, 4), (32, 8), (8, 8), (16, 4)][seed]
     _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=128, seed=seed, pad_rows=int(seed),
               force_split=seed % 2 == 0, strided=bool(seed % 2),
@@ -77,15 +83,7 @@ def test_vec_straddle_random_chunks_d64(seed, monkeypatch):
     from cute_kernels import attention
 
     monkeypatch.setattr(attention, "VEC_STRADDLE_HEAD_DIMS", frozenset({64, 128}))
-    rng = np.random.default_rng(200 + seed)
-    q_lens, seq_lens = [], []
-    for _ in range(int(rng.integers(2, 10))):
-        if rng.random() < 0.4:
-            ql, ctx = 1, int(rng.integers(0, 4000))
-        else:
-            ql, ctx = int(rng.integers(2, 1500)), int(rng.integers(0, 3000))
-        q_lens.append(ql)
-        seq_lens.append(ql + ctx)
+    q_lens, seq_lens = _random_chunks(np.random.default_rng(200 + seed))
     hq, hkv = [(16, 8), (32, 4), (8, 8)][seed]
     plan = _run_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=64, seed=50 + seed,
                      pad_rows=int(seed), force_split=seed % 2 == 0, strided=bool(seed % 2),
