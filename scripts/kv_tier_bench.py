@@ -13,7 +13,9 @@ completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, e
 block copied GPU -> host directly, i.e. native's data path under Ion's manager),
 `ion-tensor` (host_layout=tensor: one host region per KV tensor, runs of consecutive
 blocks copied as one descriptor), `ion-cegather` (ring_gather=copier: the GPU -> ring
-copies on the copy engines, the data path before the seventh session).
+copies on the copy engines, the data path before the seventh session), `ion-ceload`
+(load_copy=copier: host -> GPU loads on the copy engines, the data path before the
+twenty-first session).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -65,6 +67,7 @@ ION_CONFIGS = {
     "ion-noring": {"ring_mib": 0},
     "ion-tensor": {"host_layout": "tensor"},
     "ion-cegather": {"ring_gather": "copier"},
+    "ion-ceload": {"load_copy": "copier"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

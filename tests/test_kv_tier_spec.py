@@ -211,6 +211,13 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
         worker_of({"ring_gather": "kernel"})
     with pytest.raises(ValueError, match="ring_gather"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_gather": "dma"}))
+    # host -> GPU loads: the copier's on CPU tensors under "auto", "kernel" refused there
+    assert worker_of({}).load_copy_impl == "copier"
+    assert worker_of({"load_copy": "copier"}).load_copy_impl == "copier"
+    with pytest.raises(ValueError, match="CUDA"):
+        worker_of({"load_copy": "kernel"})
+    with pytest.raises(ValueError, match="load_copy"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "load_copy": "dma"}))
     # ring_mib 0: no ring, every block direct; with "defer" nothing would ever be stored
     w0 = worker_of({"ring_mib": 0})
     assert w0.ring.num_slots == 0 and w0.ring.nbytes == 0

@@ -250,6 +250,7 @@ class _FlipOnLoadWorker(IonKVTierWorker):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.copier = _FlipOnLoad(self.tensors, self.offsets, self.copier.group_refs)
+        self.load_to_gpu = self.copier.to_gpu  # loads through the corrupting copier
 
 
 def test_corruption_in_the_h2d_copy_is_detected():

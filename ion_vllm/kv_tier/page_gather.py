@@ -1,6 +1,25 @@
-"""GPU -> ring gather of KV pages with one Triton launch (SM copies, not copy engines).
+"""KV page copies on the SMs with Triton, not on the copy engines.
 
-Why not ``cuMemcpyBatchAsync`` (vLLM's ``swap_blocks_batch``) for this step: on the
+Two kernels:
+
+* ``PageGather``: GPU blocks -> ring rows (the store's first step), one launch with a
+  program per (block, tensor, chunk);
+* ``HostPageCopy``: between GPU blocks and rows of the pinned host pool (loads, host ->
+  GPU), read or written through the host buffer's unified address by a fixed, small
+  number of persistent programs.
+
+Why loads do not use the copy engines (``cudaMemcpyAsync`` / ``cuMemcpyBatchAsync``):
+copies of one direction run in the order they were issued, whatever their stream and
+its priority.  Every engine step, vLLM copies the step's inputs host -> GPU on the
+compute stream; behind a load in flight that copy waits until the whole load has
+crossed PCIe, and the step's kernels with it.  Measured on the H200
+(``scripts/copy_contention_probe.py``, ``bench/results/2026-12-04-h200/session21``):
+a 64 KiB host -> GPU copy took 38 µs alone and 4,776 µs behind a 256 MiB load (4,360 µs
+behind the same load issued as 4 MiB copies); behind the same load done by 8 programs of
+``HostPageCopy``'s kind it took 58 µs, at 50.7 GB/s against 54.7 for the copy engine,
+and a memory-bound kernel beside it ran 1.9% slower.
+
+Why the gather does not use ``cuMemcpyBatchAsync`` (vLLM's ``swap_blocks_batch``): on the
 H200 a batch of device-to-device descriptors of one page each (128 KiB per layer and
 block in the ION layout) moved about 7 GB/s (``scripts/kv_tier_copy_bench.py``, the
 ring worker's per-job store rate; see ``bench/notes.md``, seventh session), slower than
@@ -30,6 +49,9 @@ except ImportError:  # pragma: no cover
 
 CHUNK_BYTES = 16384  # bytes one program copies; pages are split into chunks of this
 ALIGN = 16  # every address and page size must be a multiple (checked on the host)
+#: HostPageCopy's programs: 8 moved 50.7 GB/s over the H200's PCIe (16: 50.7 GB/s, and a
+#: memory-bound kernel beside them 5.1% slower instead of 1.9%)
+HOST_PROGRAMS = 8
 
 
 if triton is not None:
@@ -60,8 +82,65 @@ if triton is not None:
             tl.store(dst_p + offs, tl.load(src_p + offs, mask=m), mask=m)
 
 
+    # n varies per call: unspecialized (one compile per direction and chunk count)
+    @triton.jit(do_not_specialize=["n"])
+    def _host_pages_kernel(ids_ptr, n, tab_ptr, ntab, nchunk, host_base,
+                           TO_GPU: tl.constexpr, CHUNK: tl.constexpr):
+        """Persistent programs over the items (i, t, c) = chunk c of tensor t's page of
+        GPU block ids[i] <-> the same bytes of host row ids[n + i]; ``tab`` rows as in
+        ``_gather_pages_kernel`` with the host buffer in place of the ring."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs = tl.arange(0, CHUNK // 8)
+        for w in range(pid, n * ntab * nchunk, nprog):
+            c = w % nchunk
+            r = w // nchunk
+            t = r % ntab
+            i = r // ntab
+            row = tab_ptr + t * 5
+            start = c * CHUNK
+            # a chunk past the end of a shorter page copies nothing (mask all false)
+            m = offs < (tl.load(row + 4) - start) // 8
+            blk = tl.load(ids_ptr + i)
+            hrow = tl.load(ids_ptr + n + i)
+            gpu = tl.load(row + 0) + blk * tl.load(row + 1) + start
+            host = host_base + tl.load(row + 2) + hrow * tl.load(row + 3) + start
+            if TO_GPU:
+                src = host
+                dst = gpu
+            else:
+                src = gpu
+                dst = host
+            src_p = src.to(tl.pointer_type(tl.int64))
+            dst_p = dst.to(tl.pointer_type(tl.int64))
+            tl.store(dst_p + offs, tl.load(src_p + offs, mask=m), mask=m)
+
+
 def available() -> bool:
     return triton is not None
+
+
+def _page_tables(tensors: Sequence[torch.Tensor],
+                 group_refs: Sequence[Sequence[tuple[int, int]]],
+                 placement: Callable[[torch.Tensor, int], tuple[int, int]],
+                 buf: torch.Tensor, who: str) -> tuple[list[list[int]], list[int]]:
+    """Per KV group, the rows (GPU base, GPU row stride, buffer offset, buffer row stride,
+    bytes) of its tensors' pages in ``buf``, and the group's widest page; a ValueError
+    when an address or size is not a multiple of ALIGN."""
+    tables, widest = [], []
+    for refs in group_refs:
+        rows = []
+        for t, nb in refs:
+            src = tensors[t]
+            off, rstride = placement(buf, t)
+            row = [src.data_ptr(), src.stride(0), off, rstride, nb]
+            if any(int(x) % ALIGN for x in row) or buf.data_ptr() % ALIGN:
+                raise ValueError(f"{who}: tensor {t} is not {ALIGN}-byte aligned "
+                                 f"(base, stride, buffer offset, buffer stride, bytes = {row})")
+            rows.append(row)
+        tables.append(rows)
+        widest.append(max((nb for _, nb in refs), default=0))
+    return tables, widest
 
 
 class PageGather:
@@ -77,20 +156,10 @@ class PageGather:
             raise RuntimeError("PageGather needs Triton")
         self.ring_ptr = ring.data_ptr()
         self.device = ring.device
-        self.tables: list[torch.Tensor] = []
-        self.max_bytes: list[int] = []
-        for refs in group_refs:
-            rows = []
-            for t, nb in refs:
-                src = tensors[t]
-                off, rstride = placement(ring, t)
-                row = [src.data_ptr(), src.stride(0), off, rstride, nb]
-                if any(int(x) % ALIGN for x in row) or ring.data_ptr() % ALIGN:
-                    raise ValueError(f"PageGather: tensor {t} is not {ALIGN}-byte aligned "
-                                     f"(base, stride, ring offset, ring stride, bytes = {row})")
-                rows.append(row)
-            self.tables.append(torch.tensor(rows, dtype=torch.int64, device=self.device))
-            self.max_bytes.append(max((nb for _, nb in refs), default=0))
+        rows, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
+                                            "PageGather")
+        self.tables = [torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1, 5)
+                       for r in rows]
 
     def __call__(self, ring: torch.Tensor, start: int, group: int,
                  gpu_ids: np.ndarray) -> None:
@@ -105,3 +174,63 @@ class PageGather:
         chunks = -(-self.max_bytes[group] // CHUNK_BYTES)
         _gather_pages_kernel[(n, tab.shape[0], chunks)](
             ids, tab, self.ring_ptr, start, CHUNK=CHUNK_BYTES, num_warps=4)
+
+
+class HostPageCopy:
+    """``to_gpu(host, group, host_ids, gpu_ids)`` / ``to_host(host, group, gpu_ids,
+    host_ids)``: copy every tensor page of KV group ``group`` between GPU blocks and
+    rows of the pinned host buffer ``host``, on the current CUDA stream, by ``programs``
+    persistent Triton programs that address the host buffer directly (no copy engine;
+    see the module docstring).  Same signatures as the copiers' (``worker.py``)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor],
+                 group_refs: Sequence[Sequence[tuple[int, int]]],
+                 placement: Callable[[torch.Tensor, int], tuple[int, int]],
+                 host: torch.Tensor, device: torch.device, programs: int = HOST_PROGRAMS):
+        if triton is None:
+            raise RuntimeError("HostPageCopy needs Triton")
+        if programs < 1:
+            raise ValueError("HostPageCopy: programs must be >= 1")
+        self.host_ptr = host.data_ptr()
+        self.device = torch.device(device)
+        self.programs = programs
+        rows, widest = _page_tables(tensors, group_refs, placement, host, "HostPageCopy")
+        self.tables = [torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1, 5)
+                       for r in rows]
+        self.nchunks = [-(-w // CHUNK_BYTES) for w in widest]
+
+    def _launch(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
+                host_ids: np.ndarray, to_gpu: bool) -> None:
+        n = len(gpu_ids)
+        assert n == len(host_ids)
+        tab = self.tables[group]
+        if tab.shape[0] == 0:
+            return
+        assert host.data_ptr() == self.host_ptr, "HostPageCopy was built for another buffer"
+        ids = torch.from_numpy(np.ascontiguousarray(
+            np.concatenate([gpu_ids, host_ids]), dtype=np.int64))
+        if self.device.type == "cuda":  # pinned + async: the host never waits on a stream
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        _host_pages_kernel[(self.programs,)](
+            ids, n, tab, tab.shape[0], self.nchunks[group], self.host_ptr,
+            TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)
+
+    def to_gpu(self, host: torch.Tensor, group: int, host_ids: np.ndarray,
+               gpu_ids: np.ndarray) -> None:
+        self._launch(host, group, gpu_ids, host_ids, True)
+
+    def to_host(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
+                host_ids: np.ndarray) -> None:
+        self._launch(host, group, gpu_ids, host_ids, False)
+
+    def warm_up(self) -> None:
+        """Compile both directions now (launches of no items: they copy nothing), not
+        inside the first forward step that loads."""
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for g, tab in enumerate(self.tables):
+            if tab.shape[0] == 0:
+                continue
+            for to_gpu in (True, False):
+                _host_pages_kernel[(self.programs,)](
+                    ids, 0, tab, tab.shape[0], self.nchunks[g], self.host_ptr,
+                    TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)

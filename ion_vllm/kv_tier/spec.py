@@ -29,6 +29,11 @@ kv_connector_extra_config keys:
   ring_gather                   "auto" (default) | "kernel" | "copier": GPU -> ring
                                 copies by one Triton launch on the SMs, or by the
                                 copier (copy-engine descriptors; see page_gather.py)
+  load_copy                     "auto" (default) | "kernel" | "copier": host -> GPU
+                                loads by a few Triton programs on the SMs reading the
+                                pinned pool, or by the copier (copy engines, where a
+                                load holds up the forward pass's own input copies;
+                                see page_gather.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -46,6 +51,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
     check_host_layout,
+    check_load_copy,
     check_overflow,
     check_ring_gather,
     check_store_completion,
@@ -160,16 +166,18 @@ class IonKVTierSpec(OffloadingSpec):
                                              "host_layout")
         self.ring_gather = check_ring_gather(str(extra.get("ring_gather", "auto")),
                                              "ring_gather")
+        self.load_copy = check_load_copy(str(extra.get("load_copy", "auto")), "load_copy")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
-            "store completion %s, host layout %s, ring gather %s",
+            "store completion %s, host layout %s, ring gather %s, load copy %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
-            self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather)
+            self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
+            self.load_copy)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -196,6 +204,7 @@ class IonKVTierSpec(OffloadingSpec):
                 completion=self.store_completion,
                 host_layout=self.host_layout,
                 ring_gather=self.ring_gather,
+                load_copy=self.load_copy,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -46,6 +46,12 @@ HOST_LAYOUTS = ("slot", "tensor")
 #: or the kernel where CUDA and Triton are there ("auto"); see page_gather.py
 RING_GATHERS = ("auto", "kernel", "copier")
 
+#: how blocks are copied host -> GPU (loads): by a few persistent Triton programs on the
+#: SMs that read the pinned host pool directly ("kernel"), by the copier (copy engines:
+#: "copier"), or the kernel where CUDA and Triton are there ("auto"); see page_gather.py
+#: for why a load on the copy engines stalls the forward pass
+LOAD_COPIES = ("auto", "kernel", "copier")
+
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
     if value not in choices:
@@ -72,6 +78,11 @@ def check_host_layout(layout: str, name: str = "host_layout") -> str:
 def check_ring_gather(choice: str, name: str = "ring_gather") -> str:
     """``choice`` if it is one of RING_GATHERS, else a ValueError naming ``name``."""
     return _check_choice(choice, RING_GATHERS, name)
+
+
+def check_load_copy(choice: str, name: str = "load_copy") -> str:
+    """``choice`` if it is one of LOAD_COPIES, else a ValueError naming ``name``."""
+    return _check_choice(choice, LOAD_COPIES, name)
 
 
 class RingAllocator:

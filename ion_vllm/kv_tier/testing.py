@@ -114,6 +114,7 @@ def run_random_ops(
     completion: str = "read",
     host_layout: str = "slot",
     ring_gather: str = "auto",
+    load_copy: str = "auto",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -123,7 +124,8 @@ def run_random_ops(
                         ring_bytes=ring_slots * slot + slot // 2 if ring_slots else 0,
                         runtime=rt, copier=copier, pin_memory=(device == "cuda"),
                         log_interval_s=0, overflow=overflow, completion=completion,
-                        host_layout=host_layout, ring_gather=ring_gather)
+                        host_layout=host_layout, ring_gather=ring_gather,
+                        load_copy=load_copy)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()
