@@ -15,7 +15,8 @@ block copied GPU -> host directly, i.e. native's data path under Ion's manager),
 blocks copied as one descriptor), `ion-cegather` (ring_gather=copier: the GPU -> ring
 copies on the copy engines, the data path before the seventh session), `ion-ceload`
 (load_copy=copier: host -> GPU loads on the copy engines, the data path before the
-twenty-first session).
+twenty-first session), `ion-prompt-only` (offload_prompt_only=True: vLLM's default
+policy on Ion's data path, to tell the eager policy's cost from the implementation's).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -68,6 +69,7 @@ ION_CONFIGS = {
     "ion-tensor": {"host_layout": "tensor"},
     "ion-cegather": {"ring_gather": "copier"},
     "ion-ceload": {"load_copy": "copier"},
+    "ion-prompt-only": {"offload_prompt_only": True},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
