@@ -109,6 +109,11 @@ fi
 if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] && { want e2e || want kvtier || want share; }; then
   step model 120 python3 scripts/make_demo_model.py "$model"
 fi
+# the tiny real-weight model of preempt / agree (a bare host has none: the twenty-first
+# session's preempt step failed on a missing /tmp/tiny)
+if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] && { want preempt || want agree; }; then
+  step tiny 180 python3 scripts/make_tiny_model.py "$tiny"
+fi
 
 if want kbench; then
   kb_default=ion-auto,ion-auto-s2,ion-auto-fused,ion-auto-fused-s2,fa3
