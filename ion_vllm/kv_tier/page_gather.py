@@ -204,7 +204,7 @@ class HostPageCopy:
         n = len(gpu_ids)
         assert n == len(host_ids)
         tab = self.tables[group]
-        if tab.shape[0] == 0:
+        if n == 0 or tab.shape[0] == 0:
             return
         assert host.data_ptr() == self.host_ptr, "HostPageCopy was built for another buffer"
         ids = torch.from_numpy(np.ascontiguousarray(
