@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import gzip
 import json
 import os
 import re
@@ -31,6 +30,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+
+from ion_vllm.bench.stream_trace import busy_stats, load_trace  # noqa: F401
 
 ATTN_PATTERNS = {  # backend -> kernels that are its attention (cache write + attention + combine)
     # Combine\w*Sm90: the group combine (CombineSm90) and the row combine (CombineRowsSm90,
@@ -45,14 +46,6 @@ CATEGORIES = ("attention", "gemm", "other")
 
 
 # ----------------------------------------------------------------------------- pure parsing
-def load_trace(path: str) -> dict:
-    """A Chrome trace (plain or gzipped JSON) as a dict with a ``traceEvents`` list."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return {"traceEvents": data} if isinstance(data, list) else data
-
-
 def kernel_events(trace: dict) -> list[tuple[str, float]]:
     """(name, duration in us) of every complete GPU kernel event (``cat == "kernel"``)."""
     out = []
@@ -163,34 +156,6 @@ def attention_launches(trace: dict, attn_pattern: str, long_us: float = 400.0) -
         row[f"{cls}_count"] += 1
         row[f"{cls}_us"] += dur
     return sorted(acc.values(), key=lambda r: -(r["short_us"] + r["long_us"]))
-
-
-def busy_stats(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> dict:
-    """How busy the GPU was over the profiled span: ``span_us`` (first kernel start to last
-    kernel end), ``busy_us`` (the union of the kernel intervals, so overlapping kernels on
-    other streams count once), ``idle_us`` = span - busy, ``busy_share``, and the gaps of at
-    least ``gap_us`` between busy stretches (``long_gaps``, ``long_gap_us``): where the GPU
-    waited for the host rather than between back-to-back launches."""
-    if not intervals:
-        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "busy_share": 0.0,
-                "long_gaps": 0, "long_gap_us": 0.0, "gap_threshold_us": gap_us}
-    iv = sorted(intervals)
-    busy, long_gaps, long_gap_us = 0.0, 0, 0.0
-    cur_s, cur_e = iv[0]
-    for s, e in iv[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
-            if s - cur_e >= gap_us:
-                long_gaps += 1
-                long_gap_us += s - cur_e
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    span = max(e for _, e in iv) - iv[0][0]
-    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
-            "busy_share": busy / span if span else 0.0, "long_gaps": long_gaps,
-            "long_gap_us": long_gap_us, "gap_threshold_us": gap_us}
 
 
 def attn_regex(backend: str, overrides: dict[str, str] | None = None) -> str:

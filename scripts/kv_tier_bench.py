@@ -112,6 +112,8 @@ def child(cfg: dict) -> dict:
         kw["attention_backend"] = cfg["backend"]
     if cfg.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
+    if cfg.get("profile_dir"):
+        kw["profiler_config"] = profiler_config(cfg)
     ktc = offload_transfer_config(cfg["name"], int(cfg["host_gib"] * (1 << 30)),
                                   cfg["ring_mib"])
     if ktc is not None:
@@ -132,7 +134,59 @@ def child(cfg: dict) -> dict:
             ready_then_wait(cfg["gate_dir"], cfg["name"], r)
         runs.append(run_workload(llm, sp, cfg, cfg["seed"] + r))
         log_repeat(cfg, runs[-1])
-    return combine_repeats(cfg["name"], runs)
+    out = combine_repeats(cfg["name"], runs)
+    if cfg.get("profile_dir"):  # after the timed repeats: never inside one
+        out["profiled_wave_s"] = profile_wave(llm, sp, cfg)
+    return out
+
+
+def profiler_config(cfg: dict):
+    """vLLM's torch profiler for ``--profile-dir``: its trace of one wave goes to
+    ``<profile_dir>/<config>``; it records ``profile_steps`` engine steps after skipping
+    ``profile_delay`` (past the wave's first prefills, into the steps where requests decode
+    while others are admitted, prefilled and stored)."""
+    from vllm.config.profiler import ProfilerConfig
+
+    return ProfilerConfig(
+        profiler="torch", torch_profiler_dir=os.path.join(cfg["profile_dir"], cfg["name"]),
+        torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False,
+        ignore_frontend=True, delay_iterations=cfg["profile_delay"],
+        max_iterations=cfg["profile_steps"])
+
+
+def profile_wave(llm, sp, cfg: dict) -> float:
+    """One untimed wave of turn 1 (fresh conversations: seed + 1000) under the profiler;
+    returns its wall seconds (profiled, so not comparable with the timed runs)."""
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(cfg["seed"] + 1000)
+    n = min(cfg["wave"], cfg["conversations"])
+    prompts = [[rng.randrange(10, cfg["vocab"]) for _ in range(cfg["context_len"]
+                                                               + cfg["user_len"])]
+               for _ in range(n)]
+    llm.start_profile(profile_prefix=cfg["name"])
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    llm.stop_profile()
+    return wall
+
+
+def profile_summary(profile_dir: str, name: str) -> dict | None:
+    """The stream report (``ion_vllm.bench.stream_trace.summarize``) of config ``name``'s
+    profiled wave: its trace file under ``<profile_dir>/<name>`` (the newest, when
+    several), or None when there is none."""
+    import glob
+
+    from ion_vllm.bench.stream_trace import load_trace, summarize
+
+    paths = sorted(glob.glob(os.path.join(profile_dir, name, "**", "*.pt.trace.json*"),
+                             recursive=True), key=os.path.getmtime)
+    if not paths:
+        return None
+    rep = summarize(load_trace(paths[-1]))
+    rep["trace"] = os.path.relpath(paths[-1], profile_dir)
+    return rep
 
 
 def log_repeat(cfg: dict, run: dict) -> None:
@@ -372,6 +426,7 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
         lines += ["", "cached by turn: prompt tokens served from a cache (GPU prefix cache or "
                   "tier) / prompt tokens, turn 1 / 2 / ..."]
     lines += step_table(results)
+    lines += profile_lines(results)
     lines += ["", "prompt from cache: prompt tokens served from the GPU prefix cache or the "
               "tier / prompt tokens. host hit (lookups): vLLM's external prefix-cache hits / "
               "queries, counted per lookup."]
@@ -403,6 +458,35 @@ def step_table(results: list[dict]) -> list[str]:
             v = r.get(k)
             cells.append(fmt(v, nd) if nd else fmt(int(v) if isinstance(v, float) else v))
         out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def profile_lines(results: list[dict]) -> list[str]:
+    """The profiled wave of each config (``--profile-dir``): the compute stream's span,
+    busy share and long gaps; the other streams' kernel, host->GPU and GPU->host time;
+    and the three heaviest compute kernels' mean duration beside other streams' activity
+    over alone.  Empty without profiles."""
+    rows = [r for r in results if r.get("profile")]
+    if not rows:
+        return []
+    out = ["", "Profiled wave (torch profiler, one untimed wave of turn 1; times in ms):", "",
+           "| config | compute span | compute busy | gaps >= 100 us (ms) | other streams: "
+           "kernels / HtoD / DtoH | heaviest compute kernels: busy / alone mean |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["profile"]
+        c = p["compute"]
+        side = [s for s in p["streams"] if s["stream"] != p["compute_stream"]]
+
+        def tot(k: str) -> float:
+            return sum(s.get(k, 0.0) for s in side) / 1e3
+
+        ov = "; ".join(f"{o['kernel'][:24]} {o['ratio']:.3f}" for o in p["overlap"][:3]
+                       if o["ratio"] is not None) or "-"
+        out.append(f"| {r['config']} | {c['span_us'] / 1e3:.1f} | {c['busy_share']:.3f} | "
+                   f"{c['long_gaps']} ({c['long_gap_us'] / 1e3:.1f}) | "
+                   f"{tot('kernel_us'):.1f} / {tot('HtoD_us'):.1f} / {tot('DtoH_us'):.1f} | "
+                   f"{ov} |")
     return out
 
 
@@ -489,6 +573,14 @@ def main() -> int:
                          "memory), then measure them one at a time: saves (n-1) engine "
                          "starts of device time; the measured config has the GPU's compute "
                          "and PCIe to itself")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after the timed repeats, profile one untimed wave of turn 1 per "
+                         "config with vLLM's torch profiler (traces under DIR/<config>) and "
+                         "report its CUDA streams (ion_vllm/bench/stream_trace.py)")
+    ap.add_argument("--profile-delay", type=int, default=400,
+                    help="engine steps of the profiled wave skipped before recording")
+    ap.add_argument("--profile-steps", type=int, default=300,
+                    help="engine steps recorded")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
@@ -516,7 +608,10 @@ def main() -> int:
                 conversations=args.conversations, context_len=args.context_len,
                 user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
                 wave=args.wave, vocab=hf.vocab_size, seed=0,
-                enforce_eager=args.enforce_eager, repeats=args.repeats, out=out)
+                enforce_eager=args.enforce_eager, repeats=args.repeats, out=out,
+                profile_dir=(os.path.abspath(args.profile_dir) if args.profile_dir
+                             else None),
+                profile_delay=args.profile_delay, profile_steps=args.profile_steps)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
@@ -533,6 +628,13 @@ def main() -> int:
 
     def record(res: dict) -> None:
         nonlocal lines
+        if args.profile_dir and "error" not in res:  # the child has exited: trace written
+            try:
+                res["profile"] = profile_summary(os.path.abspath(args.profile_dir),
+                                                 res["config"])
+            except Exception as e:  # a broken trace must not lose the timed results
+                res["profile"] = None
+                res["profile_error"] = repr(e)
         results.append(res)
         print(json.dumps(res, indent=1), flush=True)
         # written after every config, so a run cut short still leaves the finished ones

@@ -1,0 +1,176 @@
+"""GPU activity of a torch-profiler (Kineto) trace, by CUDA stream: where a step's time
+goes when a side stream (a KV tier's copies and gathers) runs beside the forward pass.
+
+Pure functions over a loaded Chrome trace (``load_trace``); no GPU needed, so CPU tests
+check them on synthetic traces.
+
+* ``gpu_activities``: every GPU kernel, memcpy and memset with its stream, interval, kind
+  (``kernel``, ``HtoD``, ``DtoH``, ``DtoD``, ``memcpy``, ``memset``), name and bytes.
+* ``stream_table``: per stream, the count, summed time and busy time (union) of each kind,
+  and the bytes of each copy direction.
+* ``compute_stream``: the stream with the most kernel time (the forward pass).
+* ``busy_stats``: span, union busy time and long gaps of a set of intervals.
+* ``overlap_slowdown``: for the compute stream's heaviest kernels, the mean duration of the
+  launches that overlapped any other stream's activity against those that did not: a
+  contention signal (SMs, HBM, PCIe) that the host's timing cannot see.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import re
+from collections import defaultdict
+
+ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load_trace(path: str) -> dict:
+    """A Chrome trace (plain or gzipped JSON) as a dict with a ``traceEvents`` list."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return {"traceEvents": data} if isinstance(data, list) else data
+
+
+def busy_stats(intervals: list[tuple[float, float]], gap_us: float = 100.0) -> dict:
+    """How busy a set of (start, end) intervals (us) keeps the GPU: ``span_us`` (first start
+    to last end), ``busy_us`` (their union, so overlapping intervals count once),
+    ``idle_us`` = span - busy, ``busy_share``, and the gaps of at least ``gap_us`` between
+    busy stretches (``long_gaps``, ``long_gap_us``): waits for the host or for a
+    dependency rather than back-to-back launches."""
+    if not intervals:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "busy_share": 0.0,
+                "long_gaps": 0, "long_gap_us": 0.0, "gap_threshold_us": gap_us}
+    iv = sorted(intervals)
+    busy, long_gaps, long_gap_us = 0.0, 0, 0.0
+    cur_s, cur_e = iv[0]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            if s - cur_e >= gap_us:
+                long_gaps += 1
+                long_gap_us += s - cur_e
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in iv) - iv[0][0]
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "busy_share": busy / span if span else 0.0, "long_gaps": long_gaps,
+            "long_gap_us": long_gap_us, "gap_threshold_us": gap_us}
+
+
+def _kind(cat: str, name: str) -> str:
+    if cat == "kernel":
+        return "kernel"
+    if cat == "gpu_memset":
+        return "memset"
+    m = re.search(r"\b(HtoD|DtoH|DtoD|PtoP)\b", name)
+    return m.group(1) if m else "memcpy"
+
+
+def gpu_activities(trace: dict) -> list[dict]:
+    """Every complete GPU activity event: ``stream`` (the event's ``args.stream``, else its
+    ``tid``), ``start`` / ``end`` (us), ``kind``, ``name`` and ``bytes`` (copies and sets;
+    0 when the trace has none), sorted by start."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        cat = ev.get("cat")
+        if cat not in ACTIVITY_CATS or ev.get("ph", "X") != "X":
+            continue
+        if "dur" not in ev or "ts" not in ev:
+            continue
+        args = ev.get("args") or {}
+        name = str(ev.get("name", ""))
+        t0 = float(ev["ts"])
+        out.append({"stream": str(args.get("stream", ev.get("tid", "?"))), "start": t0,
+                    "end": t0 + float(ev["dur"]), "kind": _kind(cat, name), "name": name,
+                    "bytes": int(args.get("bytes", 0) or 0)})
+    out.sort(key=lambda a: a["start"])
+    return out
+
+
+def compute_stream(acts: list[dict]) -> str | None:
+    """The stream with the most kernel time (the forward pass's), or None."""
+    per: dict[str, float] = defaultdict(float)
+    for a in acts:
+        if a["kind"] == "kernel":
+            per[a["stream"]] += a["end"] - a["start"]
+    return max(per, key=per.get) if per else None
+
+
+def stream_table(acts: list[dict]) -> list[dict]:
+    """Per stream (most active first): ``stream``, ``total_us`` (summed durations),
+    ``busy_us`` (union), and per kind ``<kind>_count`` / ``<kind>_us``, plus
+    ``<dir>_bytes`` for each copy direction present."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for a in acts:
+        by[a["stream"]].append(a)
+    rows = []
+    for s, lst in by.items():
+        row: dict = {"stream": s, "total_us": sum(a["end"] - a["start"] for a in lst),
+                     "busy_us": busy_stats([(a["start"], a["end"]) for a in lst])["busy_us"]}
+        for a in lst:
+            k = a["kind"]
+            row[f"{k}_count"] = row.get(f"{k}_count", 0) + 1
+            row[f"{k}_us"] = row.get(f"{k}_us", 0.0) + a["end"] - a["start"]
+            if k not in ("kernel",):
+                row[f"{k}_bytes"] = row.get(f"{k}_bytes", 0) + a["bytes"]
+        rows.append(row)
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows
+
+
+def overlap_slowdown(acts: list[dict], stream: str, top: int = 8) -> list[dict]:
+    """For the ``top`` kernels by total time on ``stream``: launches and mean duration
+    (us) when the launch overlapped any activity of another stream (``busy``) and when it
+    did not (``alone``), and their ratio.  A kernel slowed by work beside it (SMs taken,
+    HBM or PCIe shared) shows a ratio above 1."""
+    others = sorted((a["start"], a["end"]) for a in acts if a["stream"] != stream)
+    # merged intervals of every other stream, for an O(log n) overlap test
+    merged: list[list[float]] = []
+    for s, e in others:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    starts = [m[0] for m in merged]
+
+    def overlaps(s: float, e: float) -> bool:
+        i = bisect.bisect_left(starts, e) - 1  # last merged interval starting before e
+        return i >= 0 and merged[i][1] > s
+
+    per: dict[str, dict] = {}
+    for a in acts:
+        if a["stream"] != stream or a["kind"] != "kernel":
+            continue
+        d = a["end"] - a["start"]
+        row = per.setdefault(a["name"], {"total_us": 0.0, "busy": [0, 0.0], "alone": [0, 0.0]})
+        row["total_us"] += d
+        side = row["busy" if overlaps(a["start"], a["end"]) else "alone"]
+        side[0] += 1
+        side[1] += d
+    out = []
+    for name, r in sorted(per.items(), key=lambda kv: -kv[1]["total_us"])[:top]:
+        nb, tb = r["busy"]
+        na, ta = r["alone"]
+        mb = tb / nb if nb else None
+        ma = ta / na if na else None
+        out.append({"kernel": name[:80], "total_us": r["total_us"],
+                    "busy_count": nb, "busy_mean_us": mb, "alone_count": na,
+                    "alone_mean_us": ma, "ratio": (mb / ma) if mb and ma else None})
+    return out
+
+
+def summarize(trace: dict, gap_us: float = 100.0, top: int = 8) -> dict:
+    """The whole report of one trace: the compute stream, its busy/gap stats over its own
+    span, every stream's table, and the compute kernels' overlap slowdown."""
+    acts = gpu_activities(trace)
+    cs = compute_stream(acts)
+    comp = [(a["start"], a["end"]) for a in acts if a["stream"] == cs and a["kind"] == "kernel"]
+    return {"compute_stream": cs, "activities": len(acts),
+            "compute": busy_stats(comp, gap_us),
+            "streams": stream_table(acts),
+            "overlap": overlap_slowdown(acts, cs, top) if cs is not None else []}
