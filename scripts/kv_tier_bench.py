@@ -136,6 +136,10 @@ def child(cfg: dict) -> dict:
         log_repeat(cfg, runs[-1])
     out = combine_repeats(cfg["name"], runs)
     if cfg.get("profile_dir"):  # after the timed repeats: never inside one
+        if cfg.get("gate_dir"):  # --colocate: a round of its own, never beside a timed one
+            from ion_vllm.bench.start_gate import ready_then_wait
+
+            ready_then_wait(cfg["gate_dir"], cfg["name"], cfg.get("repeats", 1))
         out["profiled_wave_s"] = profile_wave(llm, sp, cfg)
     return out
 
@@ -384,7 +388,9 @@ def run_colocated(base: dict, names: list[str], on_result) -> None:
             else:
                 on_result({"config": name, "error": f"child exited {rc}"})
 
-        run_gated(children, d, on_done=done, rounds=base.get("repeats", 1))
+        # --profile-dir: one more round, the profiled wave (see child)
+        rounds = base.get("repeats", 1) + (1 if base.get("profile_dir") else 0)
+        run_gated(children, d, on_done=done, rounds=rounds)
 
 
 def fmt(v, nd=1):

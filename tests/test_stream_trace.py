@@ -117,3 +117,21 @@ def test_bench_profiler_config_records_a_window_of_steps(tmp_path):
     assert pc.profiler == "torch" and pc.torch_profiler_dir == str(tmp_path / "ion")
     assert (pc.delay_iterations, pc.max_iterations) == (400, 300)
     assert pc.ignore_frontend and not pc.torch_profiler_with_stack
+
+
+def test_colocated_profiling_gets_a_gated_round_of_its_own(monkeypatch):
+    """--colocate --profile-dir: the parent runs repeats + 1 gated rounds, so that each
+    config's profiled wave runs alone, never beside another config's timed repeat."""
+    from ion_vllm.bench import start_gate
+
+    seen = []
+
+    def fake_run_gated(children, d, on_done=None, rounds=1, **kw):
+        seen.append((sorted(c.name for c in children), rounds))
+        return {}
+
+    monkeypatch.setattr(start_gate, "run_gated", fake_run_gated)
+    base = {"repeats": 2, "profile_dir": None}
+    bench.run_colocated(base, ["ion", "native-default"], lambda r: None)
+    bench.run_colocated({**base, "profile_dir": "/tmp/p"}, ["ion"], lambda r: None)
+    assert seen == [(["ion", "native-default"], 2), (["ion"], 3)]
