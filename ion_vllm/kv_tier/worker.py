@@ -632,34 +632,57 @@ class IonKVTierWorker(OffloadingWorker):
                 "this costs GPU time and a sync per finished load - a test mode",
                 ENV_VERIFY, self.device)
 
+    def _kernel_or_copier(self, key: str, choice: str, usable: bool, needs: dict[str, bool],
+                          build, prepare, fallback, what: str) -> tuple[str, Any]:
+        """The choice between a Triton kernel and the copier's copy for one copy path
+        (config key ``key``): ``"auto"`` takes the kernel when ``usable``; ``"kernel"``
+        is refused (ValueError) when one of ``needs`` (requirement -> met) is not met;
+        ``build()`` makes the kernel object (its ValueError: a KV layout the kernel
+        cannot address, raised under ``"kernel"``, logged and answered with ``fallback``
+        under ``"auto"``); ``prepare(obj)`` compiles it (now, then synchronized, not
+        inside the first forward step that copies) and returns its copy function.
+        Returns (impl name, function)."""
+        auto = choice == "auto"
+        if auto:
+            choice = "kernel" if usable else "copier"
+        if choice == "copier":
+            return "copier", fallback
+        for need, met in needs.items():
+            if not met:
+                raise ValueError(f"Ion KV tier: {key}='kernel' needs {need}")
+        try:
+            obj = build()
+        except ValueError as e:  # a KV layout the kernel cannot address (alignment)
+            if not auto:
+                raise
+            logger.warning("Ion KV tier: %s on the copy engines (%s)", what, e)
+            return "copier", fallback
+        fn = prepare(obj)
+        torch.cuda.synchronize(self.device)
+        return "kernel", fn
+
     def _ring_gather_fn(self, choice: str, is_cuda: bool):
         """The GPU -> ring copy of ``_issue_ring_piece``: ``"kernel"`` (one Triton launch
         on the SMs, ``page_gather``), ``"copier"`` (the copier's own gather: one
         copy-engine descriptor per page with the batch copier) or ``"auto"`` (the kernel
-        on CUDA with Triton, else the copier)."""
-        auto = choice == "auto"
-        if auto:
-            choice = "kernel" if is_cuda and page_gather.available() else "copier"
-        if choice == "copier" or self.ring.num_slots == 0:
-            self.ring_gather_impl = "copier"
-            return self.copier.gather
-        if not is_cuda:
-            raise ValueError("Ion KV tier: ring_gather='kernel' needs a CUDA KV cache")
-        try:
-            gather = page_gather.PageGather(self.tensors, self.copier.group_refs,
-                                            self.copier.placement, self.ring.buffer)
-        except ValueError as e:  # a KV layout the kernel cannot address (alignment)
-            if not auto:
-                raise
-            logger.warning("Ion KV tier: GPU -> ring gather on the copy engines (%s)", e)
-            self.ring_gather_impl = "copier"
-            return self.copier.gather
-        self.ring_gather_impl = "kernel"
-        # compile now (Triton JIT), not inside the first forward step that stores
-        for g in range(len(self.copier.group_refs)):
-            gather(self.ring.buffer, 0, g, np.zeros(1, dtype=np.int64))
-        torch.cuda.synchronize(self.device)
-        return gather
+        on CUDA with Triton, else the copier).  A ring of no slots gathers nothing: the
+        copier."""
+        def build():
+            return page_gather.PageGather(self.tensors, self.copier.group_refs,
+                                          self.copier.placement, self.ring.buffer)
+
+        def prepare(gather):
+            for g in range(len(self.copier.group_refs)):  # compile (Triton JIT)
+                gather(self.ring.buffer, 0, g, np.zeros(1, dtype=np.int64))
+            return gather
+
+        if self.ring.num_slots == 0:
+            choice = "copier"
+        self.ring_gather_impl, fn = self._kernel_or_copier(
+            "ring_gather", choice, is_cuda and page_gather.available(),
+            {"a CUDA KV cache": is_cuda}, build, prepare, self.copier.gather,
+            "GPU -> ring gather")
+        return fn
 
     def _load_copy_fn(self, choice: str, is_cuda: bool):
         """The host -> GPU copy of ``submit_load``: ``"kernel"`` (``HostPageCopy``: a few
@@ -667,30 +690,20 @@ class IonKVTierWorker(OffloadingWorker):
         load sits in the copy-engine queue in front of the forward pass's own host ->
         GPU copies), ``"copier"`` (the copier's ``to_gpu``) or ``"auto"`` (the kernel on
         CUDA with Triton and a pinned host pool, else the copier)."""
-        auto = choice == "auto"
-        if auto:
-            choice = ("kernel" if is_cuda and page_gather.available()
-                      and self.host.is_pinned() else "copier")
-        if choice == "copier":
-            self.load_copy_impl = "copier"
-            return self.copier.to_gpu
-        if not is_cuda:
-            raise ValueError("Ion KV tier: load_copy='kernel' needs a CUDA KV cache")
-        if not self.host.is_pinned():
-            raise ValueError("Ion KV tier: load_copy='kernel' needs a pinned host pool")
-        try:
-            hpc = page_gather.HostPageCopy(self.tensors, self.copier.group_refs,
-                                           self.copier.placement, self.host, self.device)
-        except ValueError as e:  # a KV layout the kernel cannot address (alignment)
-            if not auto:
-                raise
-            logger.warning("Ion KV tier: host -> GPU loads on the copy engines (%s)", e)
-            self.load_copy_impl = "copier"
-            return self.copier.to_gpu
-        self.load_copy_impl = "kernel"
-        hpc.warm_up()  # compile now, not inside the first forward step that loads
-        torch.cuda.synchronize(self.device)
-        return hpc.to_gpu
+        def build():
+            return page_gather.HostPageCopy(self.tensors, self.copier.group_refs,
+                                            self.copier.placement, self.host, self.device)
+
+        def prepare(hpc):
+            hpc.warm_up()
+            return hpc.to_gpu
+
+        pinned = self.host.is_pinned()
+        self.load_copy_impl, fn = self._kernel_or_copier(
+            "load_copy", choice, is_cuda and page_gather.available() and pinned,
+            {"a CUDA KV cache": is_cuda, "a pinned host pool": pinned}, build, prepare,
+            self.copier.to_gpu, "host -> GPU loads")
+        return fn
 
     def _nbytes(self, groups: np.ndarray) -> int:
         """Bytes of the blocks whose KV groups are ``groups`` (one entry per block)."""
