@@ -123,10 +123,12 @@ def available() -> bool:
 def _page_tables(tensors: Sequence[torch.Tensor],
                  group_refs: Sequence[Sequence[tuple[int, int]]],
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
-                 buf: torch.Tensor, who: str) -> tuple[list[list[int]], list[int]]:
-    """Per KV group, the rows (GPU base, GPU row stride, buffer offset, buffer row stride,
-    bytes) of its tensors' pages in ``buf``, and the group's widest page; a ValueError
-    when an address or size is not a multiple of ALIGN."""
+                 buf: torch.Tensor, who: str,
+                 device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
+    """Per KV group, the table (int64 ``[tensors, 5]`` on ``device``) of rows (GPU base,
+    GPU row stride, buffer offset, buffer row stride, bytes) of its tensors' pages in
+    ``buf``, and the group's widest page; a ValueError when an address or size is not a
+    multiple of ALIGN."""
     tables, widest = [], []
     for refs in group_refs:
         rows = []
@@ -138,9 +140,16 @@ def _page_tables(tensors: Sequence[torch.Tensor],
                 raise ValueError(f"{who}: tensor {t} is not {ALIGN}-byte aligned "
                                  f"(base, stride, buffer offset, buffer stride, bytes = {row})")
             rows.append(row)
-        tables.append(rows)
+        tables.append(torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 5))
         widest.append(max((nb for _, nb in refs), default=0))
     return tables, widest
+
+
+def _device_ids(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 ids as a tensor on ``device``; on CUDA through PyTorch's pinned caching host
+    allocator and an async copy, so the host never waits on a stream."""
+    t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class PageGather:
@@ -156,10 +165,8 @@ class PageGather:
             raise RuntimeError("PageGather needs Triton")
         self.ring_ptr = ring.data_ptr()
         self.device = ring.device
-        rows, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
-                                            "PageGather")
-        self.tables = [torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1, 5)
-                       for r in rows]
+        self.tables, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
+                                                   "PageGather", self.device)
 
     def __call__(self, ring: torch.Tensor, start: int, group: int,
                  gpu_ids: np.ndarray) -> None:
@@ -168,9 +175,7 @@ class PageGather:
         if n == 0 or tab.shape[0] == 0:
             return
         assert ring.data_ptr() == self.ring_ptr, "PageGather was built for another ring"
-        ids = torch.from_numpy(np.ascontiguousarray(gpu_ids, dtype=np.int64))
-        if self.device.type == "cuda":  # pinned + async: the host never waits on a stream
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        ids = _device_ids(gpu_ids, self.device)
         chunks = -(-self.max_bytes[group] // CHUNK_BYTES)
         _gather_pages_kernel[(n, tab.shape[0], chunks)](
             ids, tab, self.ring_ptr, start, CHUNK=CHUNK_BYTES, num_warps=4)
@@ -194,9 +199,8 @@ class HostPageCopy:
         self.host_ptr = host.data_ptr()
         self.device = torch.device(device)
         self.programs = programs
-        rows, widest = _page_tables(tensors, group_refs, placement, host, "HostPageCopy")
-        self.tables = [torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1, 5)
-                       for r in rows]
+        self.tables, widest = _page_tables(tensors, group_refs, placement, host,
+                                           "HostPageCopy", self.device)
         self.nchunks = [-(-w // CHUNK_BYTES) for w in widest]
 
     def _launch(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
@@ -207,10 +211,7 @@ class HostPageCopy:
         if n == 0 or tab.shape[0] == 0:
             return
         assert host.data_ptr() == self.host_ptr, "HostPageCopy was built for another buffer"
-        ids = torch.from_numpy(np.ascontiguousarray(
-            np.concatenate([gpu_ids, host_ids]), dtype=np.int64))
-        if self.device.type == "cuda":  # pinned + async: the host never waits on a stream
-            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        ids = _device_ids(np.concatenate([gpu_ids, host_ids]), self.device)
         _host_pages_kernel[(self.programs,)](
             ids, n, tab, tab.shape[0], self.nchunks[group], self.host_ptr,
             TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)
