@@ -15,9 +15,26 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _interpret(code: str) -> str:
+#: KV pages both kernels are checked on: 3 tensors of NB blocks with pages of different
+#: sizes (one > CHUNK_BYTES: several chunks per page, and not a multiple of it), GPU row
+#: stride > page (padded rows), 2 KV groups (the second copying a prefix of tensor 2's page)
+PAGES = """
+    import numpy as np, torch
+    from ion_vllm.kv_tier.page_gather import CHUNK_BYTES
+    from ion_vllm.kv_tier.worker import TorchCopier
+    NB = 12
+    pages = [4096, CHUNK_BYTES + 2048, 1024]
+    ts = [torch.randint(-128, 128, (NB, p + 64 * k), dtype=torch.int8)
+          for k, p in enumerate(pages)]
+    offs = [int(x) for x in np.cumsum([0] + pages[:-1])]
+    refs = [[(0, pages[0]), (1, pages[1])], [(2, 512)]]
+"""
+
+
+def _interpret(code: str, prelude: str = "") -> str:
+    src = textwrap.dedent(prelude) + textwrap.dedent(code)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", src], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
@@ -25,19 +42,8 @@ def _interpret(code: str) -> str:
 
 def test_kernel_matches_the_torch_gather_in_both_ring_layouts():
     out = _interpret("""
-        import numpy as np, torch
-        from ion_vllm.kv_tier.page_gather import CHUNK_BYTES, PageGather
-        from ion_vllm.kv_tier.worker import TorchCopier
+        from ion_vllm.kv_tier.page_gather import PageGather
         rng = np.random.default_rng(7)
-        NB = 12
-        # 3 tensors; pages of different sizes (one > CHUNK_BYTES: several programs per
-        # page, one not a multiple of it); row stride > page (padded rows); 2 KV groups,
-        # the second copying a prefix of tensor 2's page
-        pages = [4096, CHUNK_BYTES + 2048, 1024]
-        ts = [torch.randint(-128, 128, (NB, p + 64 * k), dtype=torch.int8)
-              for k, p in enumerate(pages)]
-        offs = [int(x) for x in np.cumsum([0] + pages[:-1])]
-        refs = [[(0, pages[0]), (1, pages[1])], [(2, 512)]]
         for layout in ("slot", "tensor"):
             cp = TorchCopier(ts, offs, refs, layout=layout, page_bytes=pages)
             for trial in range(3):
@@ -54,7 +60,7 @@ def test_kernel_matches_the_torch_gather_in_both_ring_layouts():
                 assert torch.equal(ring, ref), (layout, trial)
                 assert not torch.equal(ring, torch.full_like(ring, fill))
         print("GATHER_OK")
-    """)
+    """, PAGES)
     assert "GATHER_OK" in out
 
 
@@ -150,18 +156,9 @@ def test_auto_falls_back_to_the_copier_on_a_layout_the_kernel_cannot_address(
 # --------------------------------------------------------------------------
 def test_host_copy_matches_the_torch_copier_both_ways_and_layouts():
     out = _interpret("""
-        import numpy as np, torch
-        from ion_vllm.kv_tier.page_gather import CHUNK_BYTES, HostPageCopy
-        from ion_vllm.kv_tier.worker import TorchCopier
+        from ion_vllm.kv_tier.page_gather import HostPageCopy
         rng = np.random.default_rng(11)
-        NB, NH = 12, 9
-        # pages of different sizes (one spans two chunks and ends mid-chunk), padded GPU
-        # rows, two KV groups (the second copies a prefix of tensor 2's page)
-        pages = [4096, CHUNK_BYTES + 2048, 1024]
-        ts = [torch.randint(-128, 128, (NB, p + 64 * k), dtype=torch.int8)
-              for k, p in enumerate(pages)]
-        offs = [int(x) for x in np.cumsum([0] + pages[:-1])]
-        refs = [[(0, pages[0]), (1, pages[1])], [(2, 512)]]
+        NH = 9
         for layout in ("slot", "tensor"):
             for programs in (1, 3, 8):  # fewer, as many as and more programs than items
                 cp = TorchCopier(ts, offs, refs, layout=layout, page_bytes=pages)
@@ -190,7 +187,7 @@ def test_host_copy_matches_the_torch_copier_both_ways_and_layouts():
                 assert all(torch.equal(a, b) for a, b in zip(ts, ref_ts)), (layout, programs)
                 assert not all(torch.equal(a, b) for a, b in zip(ts, before))
         print("HOST_COPY_OK")
-    """)
+    """, PAGES)
     assert "HOST_COPY_OK" in out
 
 
