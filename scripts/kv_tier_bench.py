@@ -493,6 +493,23 @@ def profile_lines(results: list[dict]) -> list[str]:
                    f"{c['long_gaps']} ({c['long_gap_us'] / 1e3:.1f}) | "
                    f"{tot('kernel_us'):.1f} / {tot('HtoD_us'):.1f} / {tot('DtoH_us'):.1f} | "
                    f"{ov} |")
+    hosts = [r for r in rows if r["profile"].get("host")]
+    if hosts:
+        g = hosts[0]["profile"]["host"]["gap_threshold_us"]
+        out += ["", f"Who made the compute stream's gaps of {g:g} us or more (host: the "
+                "next launch came after the stream went idle; ms, with counts), the host's "
+                "busiest events during the host's part, and the Ion KV tier's ranges:", "",
+                "| config | gaps | host late | device | host during its late part | "
+                "ion_kv ranges (count, mean us) |", "|---|---|---|---|---|---|"]
+        for r in hosts:
+            h = r["profile"]["host"]
+            during = "; ".join(f"{d['name'][:32]} {d['us'] / 1e3:.1f}"
+                               for d in h["during_host_late"][:4]) or "-"
+            ion = "; ".join(f"{a['name'][7:]} {a['count']}x{a['us'] / a['count']:.0f}"
+                            for a in h.get("ion_ranges", []) if a["count"]) or "-"
+            out.append(f"| {r['config']} | {h['gaps']} ({h['gap_us'] / 1e3:.1f}) | "
+                       f"{h['host_late']} ({h['host_late_us'] / 1e3:.1f}) | "
+                       f"{h['device']} ({h['device_us'] / 1e3:.1f}) | {during} | {ion} |")
     return out
 
 

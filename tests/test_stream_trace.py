@@ -104,9 +104,11 @@ def test_bench_profile_summary_takes_the_newest_trace_and_renders(tmp_path):
     assert bench.profile_summary(str(tmp_path / "prof"), "native") is None
     lines = bench.profile_lines([{"config": "ion", "profile": rep},
                                  {"config": "native", "profile": None}])
-    assert len(lines) == 6 and lines[-1].startswith("| ion | 0.4 | 0.145 | 2 (0.4) |")
-    assert "0.0 / 0.1 / 0.0" in lines[-1]  # other streams: kernels 30 us, HtoD 50, DtoH 20
-    assert "gemm 1.500" in lines[-1]
+    assert len(lines) == 12 and lines[5].startswith("| ion | 0.4 | 0.145 | 2 (0.4) |")
+    assert "0.0 / 0.1 / 0.0" in lines[5]  # other streams: kernels 30 us, HtoD 50, DtoH 20
+    assert "gemm 1.500" in lines[5]
+    # the host split: two gaps of 20 us or more (185, 170 us), no launch events here
+    assert lines[-1] == "| ion | 2 (0.4) | 0 (0.0) | 0 (0.0) | - | - |"
     assert bench.profile_lines([{"config": "ion"}]) == []
 
 
@@ -135,3 +137,90 @@ def test_colocated_profiling_gets_a_gated_round_of_its_own(monkeypatch):
     bench.run_colocated(base, ["ion", "native-default"], lambda r: None)
     bench.run_colocated({**base, "profile_dir": "/tmp/p"}, ["ion"], lambda r: None)
     assert seen == [(["ion", "native-default"], 2), (["ion"], 3)]
+
+
+def _host_trace():
+    """Compute stream 7: k1 [0, 10), k2 [60, 70) launched at 40 (host late 30 us of a 50 us
+    gap), k3 [100, 110) launched at 5 (a device-side gap of 30 us), k4 [200, 210) with no
+    launch event (unknown), k5 [215, 220) after a 5 us gap (under the threshold).  On the
+    host: an ion_kv:get_finished range [12, 38) holding a cudaEventQuery [20, 22), and a
+    cudaStreamSynchronize [0, 14) that overlaps the late window's first 4 us."""
+    rt = "cuda_runtime"
+    return {"traceEvents": [
+        _ev("kernel", "k1", 0.0, 10.0, 7, correlation=1),
+        _ev("kernel", "k2", 60.0, 10.0, 7, correlation=2),
+        _ev("kernel", "k3", 100.0, 10.0, 7, correlation=3),
+        _ev("kernel", "k4", 200.0, 10.0, 7, correlation=99),
+        _ev("kernel", "k5", 215.0, 5.0, 7, correlation=5),
+        _ev("kernel", "side", 20.0, 30.0, 20, correlation=6),
+        {"ph": "X", "cat": rt, "name": "cudaLaunchKernel", "ts": 0.0, "dur": 1.0, "tid": 1,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": rt, "name": "cudaLaunchKernel", "ts": 40.0, "dur": 2.0, "tid": 1,
+         "args": {"correlation": 2}},
+        {"ph": "X", "cat": rt, "name": "cudaGraphLaunch", "ts": 5.0, "dur": 3.0, "tid": 1,
+         "args": {"correlation": 3}},
+        {"ph": "X", "cat": rt, "name": "cudaLaunchKernel", "ts": 150.0, "dur": 1.0, "tid": 1,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": rt, "name": "cudaLaunchKernel", "ts": 9.0, "dur": 1.0, "tid": 2,
+         "args": {"correlation": 6}},
+        {"ph": "X", "cat": rt, "name": "cudaStreamSynchronize", "ts": 0.0, "dur": 14.0,
+         "tid": 1, "args": {}},
+        {"ph": "X", "cat": "user_annotation", "name": "ion_kv:get_finished", "ts": 12.0,
+         "dur": 26.0, "tid": 1},
+        {"ph": "X", "cat": rt, "name": "cudaEventQuery", "ts": 20.0, "dur": 2.0, "tid": 1,
+         "args": {}},
+        {"ph": "X", "cat": "user_annotation", "name": "execute_model", "ts": 0.0,
+         "dur": 300.0, "tid": 1},
+    ]}
+
+
+def test_host_waits_splits_gaps_between_host_and_device():
+    t = _host_trace()
+    acts = st.gpu_activities(t)
+    h = st.host_waits(acts, st.host_events(t), "7", gap_us=20.0)
+    assert (h["gaps"], h["host_late"], h["device"], h["unknown"]) == (3, 1, 1, 1)
+    assert h["gap_us"] == pytest.approx(50.0 + 30.0 + 90.0)
+    # k2's gap [10, 60): launched at 40, so the host was late 30 us; the 20 us after it
+    # (launch latency) counts as the device's, with k3's whole 30 us gap
+    assert h["host_late_us"] == pytest.approx(30.0)
+    assert h["device_us"] == pytest.approx(20.0 + 30.0)
+    assert h["unknown_us"] == pytest.approx(90.0)
+    during = {d["name"]: d for d in h["during_host_late"]}
+    assert during["ion_kv:get_finished"]["us"] == pytest.approx(26.0)
+    assert during["cudaStreamSynchronize"]["us"] == pytest.approx(4.0)
+    assert during["cudaEventQuery"]["us"] == pytest.approx(2.0)
+    assert during["execute_model"]["us"] == pytest.approx(30.0)
+    assert "cudaGraphLaunch" not in during  # [5, 8): before the late window
+    assert h["during_host_late"][0]["name"] == "execute_model"  # heaviest first
+    api = {a["name"]: a for a in h["api_calls"]}
+    assert api["cudaLaunchKernel"]["count"] == 4
+    assert api["cudaStreamSynchronize"]["us"] == pytest.approx(14.0)
+    assert [r["name"] for r in h["ion_ranges"]] == ["ion_kv:get_finished"]
+    assert {a["name"] for a in h["annotations"]} == {"execute_model", "ion_kv:get_finished"}
+    rep = st.summarize(t, host_gap_us=20.0)
+    assert rep["host"]["host_late_us"] == pytest.approx(30.0)
+    assert st.summarize({"traceEvents": []})["host"] is None
+
+
+def test_host_waits_threshold_and_overlapping_kernels():
+    """A kernel ending inside an earlier, longer one opens no gap; a gap just under the
+    threshold is not counted."""
+    t = {"traceEvents": [
+        _ev("kernel", "long", 0.0, 100.0, 7, correlation=1),
+        _ev("kernel", "short", 10.0, 5.0, 7, correlation=2),
+        _ev("kernel", "next", 119.0, 5.0, 7, correlation=3),
+    ]}
+    acts = st.gpu_activities(t)
+    h = st.host_waits(acts, st.host_events(t), "7", gap_us=20.0)
+    assert h["gaps"] == 0
+    h = st.host_waits(acts, st.host_events(t), "7", gap_us=19.0)
+    assert (h["gaps"], h["unknown"]) == (1, 1) and h["gap_us"] == pytest.approx(19.0)
+
+
+def test_bench_profile_lines_render_the_host_split():
+    rep = st.summarize(_host_trace(), host_gap_us=20.0)
+    lines = bench.profile_lines([{"config": "ion", "profile": rep}])
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("| config | gaps |"))
+    row = lines[i + 2]
+    assert row.startswith("| ion | 3 (0.2) | 1 (0.0) | 1 (0.1) | execute_model 0.0;")
+    assert row.endswith("| get_finished 1x26 |")

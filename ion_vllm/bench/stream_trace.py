@@ -13,6 +13,10 @@ check them on synthetic traces.
 * ``overlap_slowdown``: for the compute stream's heaviest kernels, the mean duration of the
   launches that overlapped any other stream's activity against those that did not: a
   contention signal (SMs, HBM, PCIe) that the host's timing cannot see.
+* ``host_waits``: each idle gap of the compute stream, split by who made it: the host (the
+  launch of the work after the gap was issued after the stream went idle) or the device
+  (it was issued before: a wait on another stream, a copy queue or a graph's own
+  dependency); and what the host was doing, by CPU event name, during the host's part.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import re
 from collections import defaultdict
 
 ACTIVITY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # host API calls; args.correlation -> GPU work
+HOST_CATS = LAUNCH_CATS + ("user_annotation", "cpu_op")
+ION_PREFIX = "ion_kv:"  # the KV tier's ranges (ion_vllm.kv_tier.trace_ranges.traced)
 
 
 def load_trace(path: str) -> dict:
@@ -87,7 +94,8 @@ def gpu_activities(trace: dict) -> list[dict]:
         t0 = float(ev["ts"])
         out.append({"stream": str(args.get("stream", ev.get("tid", "?"))), "start": t0,
                     "end": t0 + float(ev["dur"]), "kind": _kind(cat, name), "name": name,
-                    "bytes": int(args.get("bytes", 0) or 0)})
+                    "bytes": int(args.get("bytes", 0) or 0),
+                    "corr": args.get("correlation")})
     out.sort(key=lambda a: a["start"])
     return out
 
@@ -164,13 +172,109 @@ def overlap_slowdown(acts: list[dict], stream: str, top: int = 8) -> list[dict]:
     return out
 
 
-def summarize(trace: dict, gap_us: float = 100.0, top: int = 8) -> dict:
+def host_events(trace: dict) -> list[dict]:
+    """Complete host-side events (API calls, user annotations, CPU ops): ``cat``, ``name``,
+    ``tid``, ``start`` / ``end`` (us) and ``corr`` (API calls' correlation id), by start."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        cat = ev.get("cat")
+        if cat not in HOST_CATS or ev.get("ph", "X") != "X" or "dur" not in ev:
+            continue
+        t0 = float(ev["ts"])
+        out.append({"cat": cat, "name": str(ev.get("name", "")), "tid": ev.get("tid"),
+                    "start": t0, "end": t0 + float(ev["dur"]),
+                    "corr": (ev.get("args") or {}).get("correlation")})
+    out.sort(key=lambda e: e["start"])
+    return out
+
+
+def _top(table: dict, top: int) -> list[dict]:
+    rows = [{"cat": c, "name": n[:80], "count": v[0], "us": v[1]}
+            for (c, n), v in table.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
+def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float = 20.0,
+               top: int = 12) -> dict:
+    """The idle gaps of at least ``gap_us`` between kernels of ``stream``, each split by who
+    made it.  The work after a gap was launched by a host API call (its correlation id):
+    * issued after the stream went idle: the host was late by ``min(launch, gap end) -
+      gap start`` (``host_late_us``); the rest of the gap is the launch's own latency;
+    * issued before: the device held it back (``device_us``): a wait on another stream's
+      event, a copy queue, or a dependency inside one graph launch;
+    * no launch found (``unknown_us``).
+    ``during_host_late``: the host events (by category and name) overlapping the host-late
+    windows, with their overlap time; nested events each count.  ``api_calls``: every API
+    call name by summed duration over the trace; ``annotations``: every user annotation
+    name likewise (count, summed us), the top ``top`` of each; ``ion_ranges``: every
+    annotation of the Ion KV tier's entry points (``ion_vllm.kv_tier.trace_ranges``)."""
+    launch = {e["corr"]: e for e in hosts if e["cat"] in LAUNCH_CATS and e["corr"] is not None}
+    ker = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    res = {"gap_threshold_us": gap_us, "gaps": 0, "gap_us": 0.0, "host_late": 0,
+           "host_late_us": 0.0, "device": 0, "device_us": 0.0, "unknown": 0,
+           "unknown_us": 0.0}
+    windows: list[tuple[float, float]] = []
+    cur_end = None
+    for a in ker:
+        if cur_end is not None and a["start"] - cur_end >= gap_us:
+            g0, g1 = cur_end, a["start"]
+            res["gaps"] += 1
+            res["gap_us"] += g1 - g0
+            ln = launch.get(a["corr"])
+            if ln is None:
+                res["unknown"] += 1
+                res["unknown_us"] += g1 - g0
+            elif ln["start"] > g0:
+                late_end = min(ln["start"], g1)
+                res["host_late"] += 1
+                res["host_late_us"] += late_end - g0
+                res["device_us"] += g1 - late_end
+                windows.append((g0, late_end))
+            else:
+                res["device"] += 1
+                res["device_us"] += g1 - g0
+        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+    during: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    w_starts = [w[0] for w in windows]
+    api: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    ann: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    for e in hosts:
+        d = e["end"] - e["start"]
+        if e["cat"] in LAUNCH_CATS:
+            api[(e["cat"], e["name"])][0] += 1
+            api[(e["cat"], e["name"])][1] += d
+        elif e["cat"] == "user_annotation":
+            ann[(e["cat"], e["name"])][0] += 1
+            ann[(e["cat"], e["name"])][1] += d
+        i = max(0, bisect.bisect_right(w_starts, e["start"]) - 1)
+        hit = False
+        while i < len(windows) and windows[i][0] < e["end"]:
+            ov = min(e["end"], windows[i][1]) - max(e["start"], windows[i][0])
+            if ov > 0:
+                during[(e["cat"], e["name"])][1] += ov
+                hit = True
+            i += 1
+        if hit:
+            during[(e["cat"], e["name"])][0] += 1
+    res["during_host_late"] = _top(during, top)
+    res["api_calls"] = _top(api, top)
+    res["annotations"] = _top(ann, top)
+    res["ion_ranges"] = [r for r in _top(ann, len(ann)) if r["name"].startswith(ION_PREFIX)]
+    return res
+
+
+def summarize(trace: dict, gap_us: float = 100.0, top: int = 8,
+              host_gap_us: float = 20.0) -> dict:
     """The whole report of one trace: the compute stream, its busy/gap stats over its own
-    span, every stream's table, and the compute kernels' overlap slowdown."""
+    span, every stream's table, the compute kernels' overlap slowdown, and the split of
+    its idle gaps of ``host_gap_us`` or more between host and device (``host_waits``)."""
     acts = gpu_activities(trace)
     cs = compute_stream(acts)
     comp = [(a["start"], a["end"]) for a in acts if a["stream"] == cs and a["kind"] == "kernel"]
     return {"compute_stream": cs, "activities": len(acts),
             "compute": busy_stats(comp, gap_us),
             "streams": stream_table(acts),
-            "overlap": overlap_slowdown(acts, cs, top) if cs is not None else []}
+            "overlap": overlap_slowdown(acts, cs, top) if cs is not None else [],
+            "host": (host_waits(acts, host_events(trace), cs, host_gap_us)
+                     if cs is not None else None)}

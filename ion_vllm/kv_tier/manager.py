@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ion_vllm.kv_tier.stats import M, ManagerCounters, add_counter_growth
+from ion_vllm.kv_tier.trace_ranges import traced
 
 #: (metric, ``ManagerCounters`` field) exported as counters by ``get_stats``
 _COUNTER_METRICS = (
@@ -187,6 +188,7 @@ class IonKVTierManager(OffloadingManager):
         self.counters.lookup_hit_blocks += 1
         return LookupResult.HIT if e.ready else LookupResult.HIT_PENDING
 
+    @traced("ion_kv:prepare_load")
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> IonHostSpec:
@@ -201,11 +203,13 @@ class IonKVTierManager(OffloadingManager):
         self.counters.loaded_blocks += len(ids)
         return IonHostSpec(ids)
 
+    @traced("ion_kv:touch")
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in reversed(list(keys)):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
+    @traced("ion_kv:complete_load")
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         idle: list[OffloadKey] = []
         for key in keys:
@@ -216,6 +220,7 @@ class IonKVTierManager(OffloadingManager):
                 idle.append(key)
         self._make_idle(idle)
 
+    @traced("ion_kv:prepare_store")
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput:
@@ -267,6 +272,7 @@ class IonKVTierManager(OffloadingManager):
             keys_to_store=wanted, store_spec=IonHostSpec(ids), evicted_keys=evicted
         )
 
+    @traced("ion_kv:complete_store")
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
@@ -299,6 +305,7 @@ class IonKVTierManager(OffloadingManager):
         self._free_sorted = True
         self._inflight = 0
 
+    @traced("ion_kv:get_stats")
     def get_stats(self):
         """The counters' growth since the last call, and each gauge whose value changed
         since the last call that sent it.  vLLM calls this every engine step and

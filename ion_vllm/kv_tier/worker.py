@@ -140,6 +140,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
+from ion_vllm.kv_tier.trace_ranges import traced
 
 logger = logging.getLogger(__name__)
 
@@ -710,6 +711,7 @@ class IonKVTierWorker(OffloadingWorker):
         return int(sum(self.group_bytes[g] for g in groups))
 
     # ------------------------------------------------------------ stores
+    @traced("ion_kv:submit_store")
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
                      dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
@@ -927,6 +929,7 @@ class IonKVTierWorker(OffloadingWorker):
         self.stats.ring_used_slots = self.ring.alloc.used
 
     # ------------------------------------------------------------ loads
+    @traced("ion_kv:submit_load")
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
@@ -950,6 +953,7 @@ class IonKVTierWorker(OffloadingWorker):
         return True
 
     # ------------------------------------------------------------ completion
+    @traced("ion_kv:get_finished")
     def get_finished(self) -> list[TransferResult]:
         self._pump()
         rt = self.rt
@@ -992,6 +996,7 @@ class IonKVTierWorker(OffloadingWorker):
             logger.info("Ion KV tier worker: %s", self.stats.as_dict())
         return out
 
+    @traced("ion_kv:wait")
     def wait(self, job_ids: set[int]) -> None:
         """Return once the GPU source blocks of these jobs may be reused (stores)
         or the loaded blocks are in place (loads)."""
