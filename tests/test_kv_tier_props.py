@@ -90,6 +90,15 @@ def test_batch_copier_addresses(layout, host_layout):
         assert all(any(z % p == 0 for p in pages) for z in sizes)
 
 
+@pytest.mark.parametrize("overflow", ["direct", "defer"])
+def test_random_ops_10k_issued_at_submit(overflow):
+    """issue_at="submit" (GPU work issued inside the submit calls, the A/B path): nothing
+    lost either, and loads still met running drains and waited for them."""
+    r = run_random_ops(21, 10_000, overflow=overflow, issue_at="submit")
+    assert r.restored_blocks > 200 and r.evicted_blocks > 0
+    assert r.worker_stats["loads_ordered_after_drain"] > 0
+
+
 def test_random_ops_10k_without_ring():
     """ring 0 MiB: every block goes GPU -> host directly; nothing is lost either."""
     r = run_random_ops(13, 10_000, ring_slots=0)
@@ -113,7 +122,8 @@ def test_random_ops_configs(seed):
                    ring_slots=ring_slots, window=rng.randint(1, 40),
                    overflow=rng.choice(["direct", "defer"]) if ring_slots else "direct",
                    completion=rng.choice(["read", "host"]),
-                   host_layout=rng.choice(["slot", "tensor"]))
+                   host_layout=rng.choice(["slot", "tensor"]),
+                   issue_at=rng.choice(["finish", "submit"]))
 
 
 def test_eager_runtime_never_defers_forever():
@@ -142,10 +152,10 @@ class _NoFlushWorker(IonKVTierWorker):
 class _LoadIgnoresDrainWorker(IonKVTierWorker):
     """Reports stores at read (the default) but loads without waiting for drains."""
 
-    def submit_load(self, job_id, src_spec, dst_spec):
+    def _issue_load(self, *args):  # where a load's GPU work is issued (either issue_at)
         pending, self._host_pending = self._host_pending, {}
         try:
-            return super().submit_load(job_id, src_spec, dst_spec)
+            return super()._issue_load(*args)
         finally:
             self._host_pending = pending
 
@@ -188,20 +198,23 @@ def test_detects_missing_flush():
         run_random_ops(4, 3000, worker_cls=_NoFlushWorker)
 
 
-def test_detects_load_that_overtakes_a_drain():
-    """completion="read" is only safe because loads wait for pending drains."""
+@pytest.mark.parametrize("issue_at,seed", [("finish", 3), ("submit", 9)])
+def test_detects_load_that_overtakes_a_drain(issue_at, seed):
+    """completion="read" is only safe because loads wait for pending drains, whether a
+    load is issued at its submit call or at the next get_finished."""
     with pytest.raises(Corruption):
-        run_random_ops(9, 3000, worker_cls=_LoadIgnoresDrainWorker)
+        run_random_ops(seed, 3000, worker_cls=_LoadIgnoresDrainWorker, issue_at=issue_at)
 
 
-def test_detects_write_over_a_pending_drain():
+@pytest.mark.parametrize("issue_at,seed", [("finish", 23), ("submit", 22)])
+def test_detects_write_over_a_pending_drain(issue_at, seed):
     """Under completion="read" a host block can be evicted and written again (here by a
     flush's bypass copy on another stream) while its old drain still runs."""
     with pytest.raises(Corruption):
-        run_random_ops(22, 3000, worker_cls=_WriteOverPendingDrainWorker, overflow="defer",
-                       num_host_blocks=16)
-    for seed in (22, 24, 25):  # the same runs with the real worker
-        run_random_ops(seed, 3000, overflow="defer", num_host_blocks=16)
+        run_random_ops(seed, 3000, worker_cls=_WriteOverPendingDrainWorker, overflow="defer",
+                       num_host_blocks=16, issue_at=issue_at)
+    for s in (seed, seed + 2, seed + 3):  # the same runs with the real worker
+        run_random_ops(s, 3000, overflow="defer", num_host_blocks=16, issue_at=issue_at)
 
 
 def test_detects_unordered_drain():

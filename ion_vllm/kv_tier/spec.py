@@ -34,6 +34,10 @@ kv_connector_extra_config keys:
                                 pinned pool, or by the copier (copy engines, where a
                                 load holds up the forward pass's own input copies;
                                 see page_gather.py)
+  issue_at                      "finish" (default) | "submit": issue a submitted
+                                transfer's GPU work at the worker's next get_finished
+                                (after the step's forward pass is enqueued), or inside
+                                the submit call, before it (see worker.py, "Issue")
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -51,6 +55,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
     check_host_layout,
+    check_issue_at,
     check_load_copy,
     check_overflow,
     check_ring_gather,
@@ -167,17 +172,18 @@ class IonKVTierSpec(OffloadingSpec):
         self.ring_gather = check_ring_gather(str(extra.get("ring_gather", "auto")),
                                              "ring_gather")
         self.load_copy = check_load_copy(str(extra.get("load_copy", "auto")), "load_copy")
+        self.issue_at = check_issue_at(str(extra.get("issue_at", "finish")), "issue_at")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
-            "store completion %s, host layout %s, ring gather %s, load copy %s",
+            "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
-            self.load_copy)
+            self.load_copy, self.issue_at)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -205,6 +211,7 @@ class IonKVTierSpec(OffloadingSpec):
                 host_layout=self.host_layout,
                 ring_gather=self.ring_gather,
                 load_copy=self.load_copy,
+                issue_at=self.issue_at,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

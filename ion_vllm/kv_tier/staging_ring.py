@@ -51,6 +51,10 @@ RING_GATHERS = ("auto", "kernel", "copier")
 #: "copier"), or the kernel where CUDA and Triton are there ("auto"); see page_gather.py
 #: for why a load on the copy engines stalls the forward pass
 LOAD_COPIES = ("auto", "kernel", "copier")
+#: When the worker issues a submitted transfer's GPU work (``worker.py``, "Issue"):
+#: ``"finish"``: at its next ``get_finished`` / ``wait``, after the step's forward pass is
+#: enqueued; ``"submit"``: inside ``submit_store`` / ``submit_load``, before it.
+ISSUE_POINTS = ("finish", "submit")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
@@ -83,6 +87,11 @@ def check_ring_gather(choice: str, name: str = "ring_gather") -> str:
 def check_load_copy(choice: str, name: str = "load_copy") -> str:
     """``choice`` if it is one of LOAD_COPIES, else a ValueError naming ``name``."""
     return _check_choice(choice, LOAD_COPIES, name)
+
+
+def check_issue_at(point: str, name: str = "issue_at") -> str:
+    """``point`` if it is one of ISSUE_POINTS, else a ValueError naming ``name``."""
+    return _check_choice(point, ISSUE_POINTS, name)
 
 
 class RingAllocator:

@@ -115,6 +115,7 @@ def run_random_ops(
     host_layout: str = "slot",
     ring_gather: str = "auto",
     load_copy: str = "auto",
+    issue_at: str = "finish",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -125,7 +126,7 @@ def run_random_ops(
                         runtime=rt, copier=copier, pin_memory=(device == "cuda"),
                         log_interval_s=0, overflow=overflow, completion=completion,
                         host_layout=host_layout, ring_gather=ring_gather,
-                        load_copy=load_copy)
+                        load_copy=load_copy, issue_at=issue_at)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()
