@@ -17,8 +17,8 @@ copies on the copy engines, the data path before the seventh session), `ion-celo
 (load_copy=copier: host -> GPU loads on the copy engines, the data path before the
 twenty-first session), `ion-prompt-only` (offload_prompt_only=True: vLLM's default
 policy on Ion's data path, to tell the eager policy's cost from the implementation's),
-`ion-submit` (issue_at=submit: transfers issued inside vLLM's submit calls, before the
-step's forward pass is enqueued, as before the twenty-second session).
+`ion-finish` (issue_at=finish: transfers issued at the worker's next get_finished, after
+the step's forward pass is enqueued, instead of inside vLLM's submit calls).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -72,7 +72,7 @@ ION_CONFIGS = {
     "ion-cegather": {"ring_gather": "copier"},
     "ion-ceload": {"load_copy": "copier"},
     "ion-prompt-only": {"offload_prompt_only": True},
-    "ion-submit": {"issue_at": "submit"},
+    "ion-finish": {"issue_at": "finish"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

@@ -24,18 +24,20 @@ def test_random_ops_cuda(copier, layout, host_layout, ring_gather):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("issue_at", ["submit", "finish"])
 @pytest.mark.parametrize("load_copy", ["kernel", "copier"])
 @pytest.mark.parametrize("host_layout", ["slot", "tensor"])
 @pytest.mark.parametrize("layout", ["ion", "kv_first"])
-def test_random_ops_cuda_load_paths(layout, host_layout, load_copy):
+def test_random_ops_cuda_load_paths(layout, host_layout, load_copy, issue_at):
     """Both host -> GPU load paths under the randomized harness (every restored block
-    verified); the kernel is what "auto" picks on CUDA with a pinned pool."""
+    verified), with transfers issued at submit or at the next get_finished; the kernel
+    is what "auto" picks on CUDA with a pinned pool."""
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
 
     r = run_random_ops(23, 3000, layout=layout, copier="batch", device="cuda",
                        runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout,
-                       load_copy=load_copy)
+                       load_copy=load_copy, issue_at=issue_at)
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["loaded_blocks"] > 0
 
@@ -72,3 +74,52 @@ def test_store_load_roundtrip_bandwidth():
         assert torch.equal(c[gpu], r)
     print(w.stats.as_dict())
     assert w.stats.d2h_gbps > 1 and w.stats.h2d_gbps > 1
+
+
+@pytest.mark.gpu
+def test_finish_store_waits_for_the_compute_work_before_submit_not_after():
+    """issue_at="finish": a store issued after more compute work was enqueued (the next
+    step's forward pass) still reads its blocks as soon as the work before its submit is
+    done: its ring gather completes while a later 200 ms sleep on the compute stream still
+    runs, and the bytes are the ones written before the submit."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from ion_vllm.kv_tier.manager import IonHostSpec
+    from ion_vllm.kv_tier.worker import IonKVTierWorker, canonicalize_layer_caches
+
+    nb = 32
+    caches = [torch.zeros(nb, 2, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2)]
+    w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=16,
+                        ring_bytes=8 << 20, log_interval_s=0, issue_at="finish")
+    gpu = [3, 9, 17]
+    torch.cuda._sleep(20_000_000)  # ~10 ms of compute before the blocks are written
+    want = [torch.randn(len(gpu), 2, 4, 16, 128, device="cuda").to(torch.bfloat16)
+            for _ in caches]
+    for c, x in zip(caches, want):
+        c[gpu] = x
+    w.submit_store(1, GPULoadStoreSpec(gpu, [3], [0]), IonHostSpec([0, 1, 2]))
+    torch.cuda._sleep(400_000_000)  # the next step's forward pass: ~200 ms
+    busy = torch.cuda.Event()
+    busy.record()
+    w.get_finished()  # issues the store
+    job = w._stores[1]
+    t0 = __import__("time").monotonic()
+    while not all(p.read_done.query() for p in job.pieces):
+        assert __import__("time").monotonic() - t0 < 5
+    assert not busy.query(), "the gather waited for compute work enqueued after submit"
+    torch.cuda.synchronize()
+    done = set()
+    for _ in range(100):
+        done |= {r.job_id for r in w.get_finished()}
+        if 1 in done:
+            break
+    assert 1 in done
+    for c in caches:
+        c[gpu] = 0
+    w.submit_load(2, IonHostSpec([0, 1, 2]), GPULoadStoreSpec(gpu, [3], [0]))
+    w.wait({2})
+    for c, x in zip(caches, want):
+        assert torch.equal(c[gpu], x)
+    np.testing.assert_equal(w.stats.d2d_blocks, 3)

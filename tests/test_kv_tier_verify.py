@@ -154,16 +154,14 @@ def test_ring_roundtrip_verifies_every_block(layout):
 
 
 def test_spill_roundtrip_verifies_every_block():
-    """overflow="direct": a 1-slot ring takes one block, the other three go GPU -> host
-    when the job is issued (here by the flush itself, issue_at="finish"); nothing is
-    deferred, and the flush has nothing left to bypass."""
+    """overflow="direct": a 1-slot ring takes one block, the other three go GPU -> host at
+    submit; nothing is deferred, and the flush has nothing left to bypass."""
     r = Rig(ring_slots=1)
     gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
     r.fill(gpu)
     j = r.store(gpu, host)
-    assert r.st.d2d_blocks == 0 and r.st.spill_blocks == 0  # recorded, not issued
-    r.w.wait({j})
     assert r.st.spill_blocks == 3 and r.st.d2d_blocks == 1 and r.st.deferred_blocks == 0
+    r.w.wait({j})
     assert r.st.bypass_blocks == 0
     for b in gpu:  # vLLM may reuse the source blocks now: the copies have read them
         r.kvm.scrub(b)
@@ -182,8 +180,8 @@ def test_bypass_roundtrip_verifies_every_block():
     gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
     r.fill(gpu)
     j = r.store(gpu, host)
-    r.w.wait({j})  # issues the job (1 block into the ring, 3 deferred), then bypasses
     assert r.st.deferred_blocks == 3
+    r.w.wait({j})
     assert r.st.bypass_blocks == 3 and r.st.d2d_blocks == 1
     for b in gpu:  # vLLM may reuse the source blocks now: fingerprints already taken
         r.kvm.scrub(b)
@@ -227,7 +225,6 @@ def test_one_corrupted_host_byte_is_detected(path, where, caplog):
     gpu, host = [5, 6, 7], [2, 3, 4]
     r.fill(gpu)
     j = r.store(gpu, host)
-    r.w.get_finished()  # issues the job (issue_at="finish")
     if path == "spill":
         assert r.st.spill_blocks == 2
     if path == "bypass":

@@ -47,6 +47,16 @@ class CudaRuntime:
     def wait_current(self, stream: Any) -> None:
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def mark_current(self) -> Any:
+        """An event at the current (compute) stream's present end, for ``wait_mark``
+        later: "after the work enqueued so far", fixed now, waited on when issued."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait_mark(self, stream: Any, mark: Any) -> None:
+        stream.wait_event(mark)
+
     def query(self, event: Any) -> bool:
         return event.query()
 
@@ -111,6 +121,12 @@ class SimRuntime:
         # Host-side test code produces KV data synchronously; only counted, so tests can
         # check which copies are ordered after the compute stream.
         self.current_waits[stream.name] = self.current_waits.get(stream.name, 0) + 1
+
+    def mark_current(self) -> object:
+        return object()  # the compute stream is the host here: always done
+
+    def wait_mark(self, stream: _SimStream, mark: object) -> None:
+        self.wait_current(stream)  # counted as an order after the compute stream
 
     def query(self, event: _SimEvent) -> bool:
         return event.done

@@ -34,10 +34,10 @@ kv_connector_extra_config keys:
                                 pinned pool, or by the copier (copy engines, where a
                                 load holds up the forward pass's own input copies;
                                 see page_gather.py)
-  issue_at                      "finish" (default) | "submit": issue a submitted
-                                transfer's GPU work at the worker's next get_finished
-                                (after the step's forward pass is enqueued), or inside
-                                the submit call, before it (see worker.py, "Issue")
+  issue_at                      "submit" (default) | "finish": issue a submitted
+                                transfer's GPU work inside the submit call, before the
+                                step's forward pass is enqueued, or at the worker's next
+                                get_finished, after it (see worker.py, "Issue")
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -172,7 +172,7 @@ class IonKVTierSpec(OffloadingSpec):
         self.ring_gather = check_ring_gather(str(extra.get("ring_gather", "auto")),
                                              "ring_gather")
         self.load_copy = check_load_copy(str(extra.get("load_copy", "auto")), "load_copy")
-        self.issue_at = check_issue_at(str(extra.get("issue_at", "finish")), "issue_at")
+        self.issue_at = check_issue_at(str(extra.get("issue_at", "submit")), "issue_at")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None

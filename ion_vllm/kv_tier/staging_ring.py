@@ -52,9 +52,9 @@ RING_GATHERS = ("auto", "kernel", "copier")
 #: for why a load on the copy engines stalls the forward pass
 LOAD_COPIES = ("auto", "kernel", "copier")
 #: When the worker issues a submitted transfer's GPU work (``worker.py``, "Issue"):
-#: ``"finish"``: at its next ``get_finished`` / ``wait``, after the step's forward pass is
-#: enqueued; ``"submit"``: inside ``submit_store`` / ``submit_load``, before it.
-ISSUE_POINTS = ("finish", "submit")
+#: ``"submit"`` (default): inside ``submit_store`` / ``submit_load``, before the step's
+#: forward pass is enqueued; ``"finish"``: at its next ``get_finished`` / ``wait``, after.
+ISSUE_POINTS = ("submit", "finish")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:

@@ -115,7 +115,7 @@ def run_random_ops(
     host_layout: str = "slot",
     ring_gather: str = "auto",
     load_copy: str = "auto",
-    issue_at: str = "finish",
+    issue_at: str = "submit",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)

@@ -89,16 +89,21 @@ Issue (``issue_at``)
 vLLM calls ``submit_store`` / ``submit_load`` from ``start_load_kv``, before the step's
 forward pass is enqueued, and ``get_finished`` after it.  Host time spent in the first
 delays the launch of the forward pass, and the GPU sits idle for it; host time in the
-second overlaps the forward pass running on the GPU.  By default (``"finish"``) a submit
-only records the job, in order; the GPU work (ring gather, drain, spill, load) is issued
-at the start of the next ``get_finished`` or ``wait``, in submission order, so nothing
-about ordering changes: a store is still issued after the compute stream's work so far
-(now also the current step's, a few ms later), and a load is still ordered after any
-pending write of its host blocks.  Measured on the H200 (profiled decode steps, reuse
+second overlaps the forward pass running on the GPU.  With ``"finish"`` a submit only
+records the job, in order, and for a store an event at the compute stream's present end
+(``rt.mark_current``, one event record); the GPU work (ring gather, drain, spill, load)
+is issued at the start of the next ``get_finished`` or ``wait``, in submission order.
+A store's copies wait for that event, not for the compute stream as it is when issued,
+so they start on the GPU when they did before, beside the next forward pass (the first
+form waited for the current step's forward pass as well: a store's source blocks were
+read one step later, and on the reuse benchmark it measured 12,580 tok/s against
+12,719 for ``"submit"``, one run each).  A load is still ordered after any pending write
+of its host blocks.  Measured on the H200 (profiled decode steps, reuse
 benchmark): the compute stream's busy time was the same as under vLLM's native worker,
 its idle time 76 ms longer over 300 steps, and ``submit_store`` took 684 us of host time
 a call inside the windows where the GPU waited for the forward launch.  ``"submit"``
-issues inside the submit calls, as before (kept for A/B runs).
+(the default until ``"finish"`` measures ahead end to end) issues inside the submit
+calls.
 
 Verify mode (``ION_KV_TIER_VERIFY=1`` or the spec's ``verify`` key; a test mode,
 off by default: it costs GPU time and a host sync per finished load)
@@ -510,6 +515,9 @@ class _StoreJob:
     next_item: int = 0
     deferred_counted: bool = False
     pieces: list[_Piece] = field(default_factory=list)
+    # issue_at="finish": the compute stream's end at submit time (rt.mark_current); the
+    # job's copies wait for it, not for whatever the compute stream holds when issued
+    after: Any = None
 
     @property
     def n(self) -> int:
@@ -571,7 +579,7 @@ class IonKVTierWorker(OffloadingWorker):
         host_layout: str = "slot",
         ring_gather: str = "auto",
         load_copy: str = "auto",
-        issue_at: str = "finish",
+        issue_at: str = "submit",
     ):
         self.overflow = check_overflow(overflow)
         self.issue_at = check_issue_at(issue_at)
@@ -745,8 +753,18 @@ class IonKVTierWorker(OffloadingWorker):
             self._queue.append(job)
             self._pump()
         else:
+            job.after = self.rt.mark_current()
             self._submitted.append(("store", job))
         return True
+
+    def _after_compute(self, stream: Any, job: _StoreJob) -> None:
+        """Order work queued next on ``stream`` after the compute stream's work that
+        produced ``job``'s blocks: its mark from submit time (issue_at="finish"), else
+        everything the compute stream holds now (issued at submit, that is the same)."""
+        if job.after is not None:
+            self.rt.wait_mark(stream, job.after)
+        else:
+            self.rt.wait_current(stream)
 
     def _issue_submitted(self) -> None:
         """Issue every submitted transfer not yet issued, in submission order (see
@@ -838,7 +856,7 @@ class IonKVTierWorker(OffloadingWorker):
     def _issue_ring_piece(self, job: _StoreJob, start: int, count: int) -> None:
         rt, cp, ring, gather = self.rt, self.copier, self.ring.buffer, self.ring_gather
         a, b = job.next_item, job.next_item + count
-        rt.wait_current(self._d2d)
+        self._after_compute(self._d2d, job)
         src_start = rt.record(self._d2d)
         for g, i0, i1 in _group_runs(job.groups, a, b):
             ids = job.gpu[i0:i1]
@@ -890,7 +908,7 @@ class IonKVTierWorker(OffloadingWorker):
         a, b = job.next_item, job.n
         if a >= b:
             return 0, 0
-        rt.wait_current(stream)
+        self._after_compute(stream, job)
         self._after_pending_writes(stream, job.host[a:b])
         ev0 = rt.record(stream)
         for g, i0, i1 in _group_runs(job.groups, a, b):
