@@ -211,6 +211,11 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
         worker_of({"ring_gather": "kernel"})
     with pytest.raises(ValueError, match="ring_gather"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_gather": "dma"}))
+    # issue point: inside the submit calls by default, at get_finished selectable
+    assert worker_of({}).issue_at == "submit"
+    assert worker_of({"issue_at": "finish"}).issue_at == "finish"
+    with pytest.raises(ValueError, match="issue_at"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "issue_at": "later"}))
     # host -> GPU loads: the copier's on CPU tensors under "auto", "kernel" refused there
     assert worker_of({}).load_copy_impl == "copier"
     assert worker_of({"load_copy": "copier"}).load_copy_impl == "copier"
