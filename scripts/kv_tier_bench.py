@@ -498,6 +498,8 @@ def profile_lines(results: list[dict]) -> list[str]:
                    f"{ov} |")
     hosts = [r for r in rows if r["profile"].get("host")]
     if hosts:
+        from ion_vllm.bench.stream_trace import ION_PREFIX
+
         g = hosts[0]["profile"]["host"]["gap_threshold_us"]
         out += ["", f"Who made the compute stream's gaps of {g:g} us or more (host: the "
                 "next launch came after the stream went idle; ms, with counts), the host's "
@@ -508,7 +510,8 @@ def profile_lines(results: list[dict]) -> list[str]:
             h = r["profile"]["host"]
             during = "; ".join(f"{d['name'][:32]} {d['us'] / 1e3:.1f}"
                                for d in h["during_host_late"][:4]) or "-"
-            ion = "; ".join(f"{a['name'][7:]} {a['count']}x{a['us'] / a['count']:.0f}"
+            ion = "; ".join(f"{a['name'].removeprefix(ION_PREFIX)} "
+                            f"{a['count']}x{a['us'] / a['count']:.0f}"
                             for a in h.get("ion_ranges", []) if a["count"]) or "-"
             out.append(f"| {r['config']} | {h['gaps']} ({h['gap_us'] / 1e3:.1f}) | "
                        f"{h['host_late']} ({h['host_late_us'] / 1e3:.1f}) | "

@@ -240,13 +240,12 @@ def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float =
     api: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     ann: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     for e in hosts:
-        d = e["end"] - e["start"]
-        if e["cat"] in LAUNCH_CATS:
-            api[(e["cat"], e["name"])][0] += 1
-            api[(e["cat"], e["name"])][1] += d
-        elif e["cat"] == "user_annotation":
-            ann[(e["cat"], e["name"])][0] += 1
-            ann[(e["cat"], e["name"])][1] += d
+        table = (api if e["cat"] in LAUNCH_CATS else
+                 ann if e["cat"] == "user_annotation" else None)
+        if table is not None:
+            row = table[(e["cat"], e["name"])]
+            row[0] += 1
+            row[1] += e["end"] - e["start"]
         i = max(0, bisect.bisect_right(w_starts, e["start"]) - 1)
         hit = False
         while i < len(windows) and windows[i][0] < e["end"]:

@@ -750,12 +750,15 @@ class IonKVTierWorker(OffloadingWorker):
         self._stores[job_id] = job
         self.stats.store_jobs += 1
         if self.issue_at == "submit":
-            self._queue.append(job)
-            self._pump()
+            self._issue_store(job)
         else:
             job.after = self.rt.mark_current()
             self._submitted.append(("store", job))
         return True
+
+    def _issue_store(self, job: _StoreJob) -> None:
+        self._queue.append(job)
+        self._pump()
 
     def _after_compute(self, stream: Any, job: _StoreJob) -> None:
         """Order work queued next on ``stream`` after the compute stream's work that
@@ -772,8 +775,7 @@ class IonKVTierWorker(OffloadingWorker):
         while self._submitted:
             kind, item = self._submitted.popleft()
             if kind == "store":
-                self._queue.append(item)
-                self._pump()
+                self._issue_store(item)
             else:
                 self._issue_load(*item)
 
