@@ -8,6 +8,9 @@
 #           128-row tiles, the depth before 2026-12-02), fa3; interleaved timing
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
 #           operations on CUDA streams, both copiers; a store/load round trip)
+#   hostcost scripts/kv_tier_host_cost.py: host time of the tier worker's submit_store /
+#           submit_load / get_finished under both issue points, no profiler (every block
+#           checked)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
 #           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
 #           GPU block ids in consecutive runs, then at random
@@ -41,7 +44,7 @@
 # "default FULL"), AGREE_ARGS, MODEL, DEMO_MODEL, TINY_MODEL.
 # Preflight: exits 3 (steps.txt says why) when a step's imports (vllm, cutlass) are missing.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
-# Results: OUT/{steps.txt,kbench/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
+# Results: OUT/{steps.txt,kbench/,hostcost/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
@@ -96,7 +99,7 @@ step() {  # step NAME SECONDS CMD...
 # serves it and it is missing.
 need_vllm=0
 need_cute=0
-for s in kvgpu copy preempt e2e kvtier share agree; do want "$s" && need_vllm=1; done
+for s in kvgpu hostcost copy preempt e2e kvtier share agree; do want "$s" && need_vllm=1; done
 for s in kbench kval e2e kvtier share agree; do want "$s" && need_cute=1; done
 missing=
 [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -123,6 +126,9 @@ if want kbench; then
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
+fi
+if want hostcost; then
+  step hostcost 180 python3 scripts/kv_tier_host_cost.py --out "$out/hostcost"
 fi
 if want copy; then
   for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random

@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""Host time of the Ion KV tier worker's entry points, without a profiler.
+
+Why: vLLM calls ``submit_store`` / ``submit_load`` before it enqueues a step's forward pass
+(``start_load_kv``), so their host time delays that launch, and the GPU idles for it once
+the previous step has drained.  A torch-profiler trace of the reuse benchmark put
+``submit_store`` at 684 us a call (``bench/results/2026-12-04-h200/session22``), but the
+profiler itself records every aten op and CUDA call inside it.  This measures the same
+calls with ``time.perf_counter`` only, while a long kernel keeps the compute stream busy
+(as a forward pass in flight does, so nothing here waits on the GPU), for both issue
+points (``issue_at``: ``submit`` issues the copies inside the submit; ``finish`` records
+the job and an event, and the next ``get_finished`` issues it).
+
+Per issue point and job size (blocks): ``reps`` rounds of
+  busy kernel -> submit_store(job) [timed] -> get_finished() [timed]
+  -> synchronize -> poll until the job is reported -> check the host bytes
+then the same for loads of those host blocks into other GPU blocks (checked byte for byte
+against the sources).  On CUDA it also times the pieces a ring piece is made of (event
+record, stream wait, id upload, gather launch, drain copy), to say where the time goes.
+
+    python3 scripts/kv_tier_host_cost.py --out bench/results/<dir>
+
+Without CUDA it runs the same calls on the CPU worker (what the CPU test checks); the
+times then mean nothing for a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_tier_copy_bench import host_block, make_caches  # noqa: E402  (same directory)
+
+ISSUE_POINTS = ("submit", "finish")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _us(xs: list[float]) -> dict:
+    return {"median_us": statistics.median(xs) * 1e6, "p90_us": _pct(xs, 0.9) * 1e6,
+            "n": len(xs)}
+
+
+def _busy(device: str, ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` (a forward pass in flight)."""
+    if device == "cuda" and ms > 0:
+        torch.cuda._sleep(int(ms * 1e-3 * _busy.hz))
+
+
+_busy.hz = 1.5e9  # set from the device's clock in run()
+
+
+def _wait_reported(worker, job_id: int, first: list) -> None:
+    """Poll until ``job_id`` is reported; ``first``: what the timed call returned."""
+    results = list(first)
+    while True:
+        for r in results:
+            assert r.success, f"job {r.job_id} failed"
+            if r.job_id == job_id:
+                return
+        results = worker.get_finished()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps: int,
+                   ring_mib: float, busy_ms: float, seed: int) -> dict:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from ion_vllm.kv_tier.manager import IonHostSpec
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    nblocks = canonical.tensors[0].tensor.shape[0]
+    need = 2 * max(sizes)
+    if need > nblocks:
+        raise ValueError(f"{nblocks} GPU blocks are too few for jobs of {max(sizes)}")
+    n_host = max(sizes) * 4
+    w = IonKVTierWorker(canonical, num_host_blocks=n_host, ring_bytes=int(ring_mib * (1 << 20)),
+                        log_interval_s=0, issue_at=issue_at)
+    rows = [c.tensor for c in canonical.tensors]
+    rng = np.random.default_rng(seed)
+    spec = lambda ids: GPULoadStoreSpec(ids, [len(ids)], [0])  # noqa: E731
+    out: dict = {}
+    bad = 0
+    job = 0
+    for b in sizes:
+        t_sub, t_fin, t_lsub, t_lfin = [], [], [], []
+        for r in range(reps + 1):  # round 0 warms up (not counted)
+            perm = rng.permutation(nblocks)
+            src, dst = perm[:b].tolist(), perm[b:2 * b].tolist()
+            host = rng.choice(n_host, size=b, replace=False).tolist()
+            for t in rows:  # fresh bytes in the source blocks every round
+                t[src] = torch.randint(-128, 128, (b, t.shape[1]), dtype=torch.int8,
+                                       device=t.device)
+            _sync(device)
+            job += 1
+            _busy(device, busy_ms)
+            t0 = time.perf_counter()
+            w.submit_store(job, spec(src), IonHostSpec(host))
+            t1 = time.perf_counter()
+            got = w.get_finished()
+            t2 = time.perf_counter()
+            _sync(device)
+            _wait_reported(w, job, got)
+            _sync(device)
+            for g, h in zip(src, host):
+                hb = host_block(w, canonical, h)
+                bad += any(not torch.equal(t[g, :c.page_size_bytes].cpu(), x)
+                           for t, c, x in zip(rows, canonical.tensors, hb))
+            job += 1
+            _busy(device, busy_ms)
+            t3 = time.perf_counter()
+            w.submit_load(job, IonHostSpec(host), spec(dst))
+            t4 = time.perf_counter()
+            got = w.get_finished()
+            t5 = time.perf_counter()
+            _sync(device)
+            _wait_reported(w, job, got)
+            _sync(device)
+            bad += sum(any(not torch.equal(t[g], t[d]) for t in rows)
+                       for g, d in zip(src, dst))
+            if r:
+                t_sub.append(t1 - t0)
+                t_fin.append(t2 - t1)
+                t_lsub.append(t4 - t3)
+                t_lfin.append(t5 - t4)
+        out[str(b)] = {"submit_store": _us(t_sub), "get_finished_after_store": _us(t_fin),
+                       "submit_load": _us(t_lsub), "get_finished_after_load": _us(t_lfin)}
+    w.shutdown()
+    return {"issue_at": issue_at, "by_blocks": out, "bad_blocks": bad,
+            "ring_slots": w.ring.num_slots}
+
+
+def measure_parts(canonical, reps: int) -> dict:
+    """CUDA only: host time of each operation a ring piece issues."""
+    from ion_vllm.kv_tier import page_gather
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    w = IonKVTierWorker(canonical, num_host_blocks=8, ring_bytes=64 << 20, log_interval_s=0)
+    dev = torch.device("cuda")
+    cur = torch.cuda.current_stream()
+    s = w._d2d
+    ids4 = np.array([3, 1, 4, 1], dtype=np.int64)
+    one = np.array([2], dtype=np.int64)
+    host4, gpu4 = np.arange(4, dtype=np.int64), np.array([5, 6, 7, 9], dtype=np.int64)
+
+    def timed(fn) -> dict:
+        xs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return _us(xs)
+
+    def stream_ctx():
+        with torch.cuda.stream(s):
+            pass
+
+    ev = torch.cuda.Event()
+    ev.record(cur)
+    parts = {
+        "event_record_timing": timed(lambda: torch.cuda.Event(enable_timing=True).record(s)),
+        "event_record_plain": timed(lambda: torch.cuda.Event().record(cur)),
+        "event_query": timed(ev.query),
+        "stream_wait_stream": timed(lambda: s.wait_stream(cur)),
+        "stream_wait_event": timed(lambda: s.wait_event(ev)),
+        "stream_context": timed(stream_ctx),
+        "id_upload_4": timed(lambda: page_gather._device_ids(ids4, dev)),
+        "gather_launch_4": timed(lambda: w.rt.launch(
+            s, lambda: w.ring_gather(w.ring.buffer, 0, 0, ids4))),
+        "drain_copy_1": timed(lambda: w.rt.launch(
+            w._drain, lambda: w.copier.drain(w.ring.buffer, 0, w.host, one))),
+        "load_launch_4": timed(lambda: w.rt.launch(
+            w._load, lambda: w.load_to_gpu(w.host, 0, host4, gpu4))),
+    }
+    w.shutdown()
+    return parts
+
+
+def run(args) -> dict:
+    from ion_vllm.kv_tier.worker import canonicalize_layer_caches
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # calibrate the busy kernel: cycles per second
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(10**6)
+        a.record()
+        torch.cuda._sleep(10**7)
+        b.record()
+        b.synchronize()
+        _busy.hz = 1e7 / (a.elapsed_time(b) * 1e-3)
+        res_hz = _busy.hz
+    else:
+        res_hz = None
+    caches = make_caches(args.layers, args.num_gpu_blocks, args.kv_heads, args.page,
+                         args.head_dim, device, args.seed)
+    canonical = canonicalize_layer_caches(caches, args.num_gpu_blocks)
+    sizes = [int(x) for x in args.blocks.split(",") if x]
+    compute = torch.cuda.Stream() if device == "cuda" else None
+    res: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "block_bytes": sum(c.page_size_bytes for c in canonical.tensors),
+                 "args": vars(args), "busy_cycles_per_s": res_hz, "workers": []}
+    ctx = torch.cuda.stream(compute) if compute is not None else _nullctx()
+    with ctx:  # the "forward pass" runs on a non-default stream, as vLLM's may
+        for issue_at in args.issue_at.split(","):
+            if issue_at not in ISSUE_POINTS:
+                raise SystemExit(f"unknown issue point {issue_at!r}")
+            res["workers"].append(measure_worker(canonical, device, issue_at, sizes,
+                                                 args.reps, args.ring_mib, args.busy_ms,
+                                                 args.seed + 1))
+        if device == "cuda":
+            res["parts"] = measure_parts(canonical, args.reps * 5)
+    return res
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"# KV tier worker host time ({res['device']})", "",
+             f"blocks of {res['block_bytes'] / 2**20:.2f} MiB, {res['args']['reps']} rounds "
+             f"each, compute stream kept busy ({res['args']['busy_ms']} ms kernel); "
+             "median / p90 us of host time", "",
+             "| issue_at | blocks | submit_store | get_finished after | submit_load | "
+             "get_finished after | bad blocks |", "|---|---|---|---|---|---|---|"]
+    f = lambda d: f"{d['median_us']:.0f} / {d['p90_us']:.0f}"  # noqa: E731
+    for wr in res["workers"]:
+        for b, d in wr["by_blocks"].items():
+            lines.append(f"| {wr['issue_at']} | {b} | {f(d['submit_store'])} | "
+                         f"{f(d['get_finished_after_store'])} | {f(d['submit_load'])} | "
+                         f"{f(d['get_finished_after_load'])} | {wr['bad_blocks']} |")
+    if "parts" in res:
+        lines += ["", "| operation | median us | p90 us |", "|---|---|---|"]
+        for k, d in res["parts"].items():
+            lines.append(f"| {k} | {d['median_us']:.1f} | {d['p90_us']:.1f} |")
+    return lines
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--issue-at", default="submit,finish")
+    p.add_argument("--blocks", default="1,4,16", help="store job sizes, in blocks")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--busy-ms", type=float, default=3.0)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page", type=int, default=64)
+    p.add_argument("--num-gpu-blocks", type=int, default=64)
+    p.add_argument("--ring-mib", type=float, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    lines = table(res)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_cost.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(args.out, "host_cost.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if any(w["bad_blocks"] for w in res["workers"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
