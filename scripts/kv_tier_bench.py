@@ -18,7 +18,9 @@ copies on the copy engines, the data path before the seventh session), `ion-celo
 twenty-first session), `ion-prompt-only` (offload_prompt_only=True: vLLM's default
 policy on Ion's data path, to tell the eager policy's cost from the implementation's),
 `ion-finish` (issue_at=finish: transfers issued at the worker's next get_finished, after
-the step's forward pass is enqueued, instead of inside vLLM's submit calls).
+the step's forward pass is enqueued, instead of inside vLLM's submit calls), `ion-submit`
+(issue_at=submit: issued inside the submit calls; named explicitly so that it stays that
+path whichever issue point is the default).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -73,6 +75,7 @@ ION_CONFIGS = {
     "ion-ceload": {"load_copy": "copier"},
     "ion-prompt-only": {"offload_prompt_only": True},
     "ion-finish": {"issue_at": "finish"},
+    "ion-submit": {"issue_at": "submit"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
