@@ -145,7 +145,7 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
             "ring_slots": w.ring.num_slots}
 
 
-def measure_parts(canonical, reps: int) -> dict:
+def measure_parts(canonical, reps: int) -> tuple[dict, dict]:
     """CUDA only: host time of each operation a ring piece issues."""
     from ion_vllm.kv_tier import page_gather
     from ion_vllm.kv_tier.worker import IonKVTierWorker
@@ -167,6 +167,13 @@ def measure_parts(canonical, reps: int) -> dict:
         torch.cuda.synchronize()
         return _us(xs)
 
+    up = page_gather.IdUpload(dev)
+
+    def staged_upload(ids):  # what the kernels' launches do (the event included)
+        _, staged = up(ids)
+        if staged:
+            up.consumed()
+
     def stream_ctx():
         with torch.cuda.stream(s):
             pass
@@ -180,7 +187,8 @@ def measure_parts(canonical, reps: int) -> dict:
         "stream_wait_stream": timed(lambda: s.wait_stream(cur)),
         "stream_wait_event": timed(lambda: s.wait_event(ev)),
         "stream_context": timed(stream_ctx),
-        "id_upload_4": timed(lambda: page_gather._device_ids(ids4, dev)),
+        "id_upload_4_pin_memory": timed(lambda: page_gather._device_ids(ids4, dev)),
+        "id_upload_4_staged": timed(lambda: staged_upload(ids4)),
         "gather_launch_4": timed(lambda: w.rt.launch(
             s, lambda: w.ring_gather(w.ring.buffer, 0, 0, ids4))),
         "drain_copy_1": timed(lambda: w.rt.launch(
@@ -189,7 +197,7 @@ def measure_parts(canonical, reps: int) -> dict:
             w._load, lambda: w.load_to_gpu(w.host, 0, host4, gpu4))),
     }
     w.shutdown()
-    return parts
+    return parts, {"staged": up.staged, "fallbacks": up.fallbacks}
 
 
 def run(args) -> dict:
@@ -224,7 +232,7 @@ def run(args) -> dict:
                                                  args.reps, args.ring_mib, args.busy_ms,
                                                  args.seed + 1))
         if device == "cuda":
-            res["parts"] = measure_parts(canonical, args.reps * 5)
+            res["parts"], res["staged_uploads"] = measure_parts(canonical, args.reps * 5)
     return res
 
 
@@ -253,6 +261,9 @@ def table(res: dict) -> list[str]:
         lines += ["", "| operation | median us | p90 us |", "|---|---|---|"]
         for k, d in res["parts"].items():
             lines.append(f"| {k} | {d['median_us']:.1f} | {d['p90_us']:.1f} |")
+        su = res["staged_uploads"]
+        lines.append(f"\nstaged id uploads: {su['staged']}, fell back to pin_memory: "
+                     f"{su['fallbacks']}")
     return lines
 
 

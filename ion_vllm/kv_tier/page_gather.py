@@ -29,14 +29,16 @@ a copy engine that the H2D loads also need.
 
 Addressing: tensor ``t`` of the KV cache has its page of GPU block ``b`` at
 ``base[t] + b * stride[t]``; ring row ``r`` holds it at ``ring + roff[t] + r * rstride[t]``
-(``TorchCopier.placement``).  Only the GPU block ids travel per call (int64, through
-PyTorch's pinned caching host allocator, so the host never waits on a stream); the
-per-tensor table is uploaded once per KV group.
+(``TorchCopier.placement``).  Only the GPU block ids travel per call (int64, written into
+a persistent pinned buffer and copied asynchronously, ``IdUpload``: no host allocation
+per call, and the host never waits on a stream); the per-tensor table is uploaded once
+per KV group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -152,6 +154,83 @@ def _device_ids(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+class StagingRegions:
+    """Which part of a persistent staging buffer of ``capacity`` entries the next upload
+    may write (a pure rule, no CUDA): regions are handed out one after the other, wrapping
+    around the buffer (a region never straddles its end: the tail is skipped instead).  A
+    region may be written only when no region it shares a slot with is still in use,
+    i.e. every such region's token (the event recorded after the launch that read it) is
+    done.  ``take(n, done)`` forgets the regions whose token is done, then returns the
+    buffer offset of the next region, or None when a region it would overlap is still in
+    use (the caller then uploads another way: it never waits); ``hold(token)`` records
+    the token of the region just taken."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("StagingRegions: capacity must be >= 1")
+        self.capacity = capacity
+        self.pos = 0  # buffer offset of the next region
+        self.live: list[tuple[int, int, Any]] = []  # (start, end, token), in use or unknown
+        self._taken: tuple[int, int] | None = None
+
+    def take(self, n: int, done: Callable[[Any], bool]) -> int | None:
+        if n < 1 or n > self.capacity:
+            return None
+        off = self.pos if self.pos + n <= self.capacity else 0
+        self.live = [r for r in self.live if not done(r[2])]
+        if any(a < off + n and off < b for a, b, _ in self.live):
+            return None
+        self._taken = (off, off + n)
+        self.pos = off + n
+        return off
+
+    def hold(self, token: Any) -> None:
+        assert self._taken is not None, "hold() without take()"
+        self.live.append((*self._taken, token))
+        self._taken = None
+
+
+class IdUpload:
+    """int64 block ids -> a device tensor for the copy kernels, without a host allocation
+    per call: the ids are written into a persistent pinned buffer and copied
+    asynchronously into the same offsets of a persistent device buffer, on the current
+    stream.  ``__call__`` returns (device ids, staged); when ``staged``, the caller calls
+    ``consumed()`` on the same stream right after the launch that reads them (one event:
+    the region is rewritten only after it completed; ``StagingRegions``).  When the
+    region is still in use, or on a CPU device, it falls back to ``_device_ids``."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 15):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.regions = StagingRegions(capacity)
+        self.staged = self.fallbacks = 0
+        if self.cuda:
+            self.pinned = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            self.host = self.pinned.numpy()
+            self.buf = torch.empty(capacity, dtype=torch.int64, device=self.device)
+
+    def __call__(self, ids: np.ndarray) -> tuple[torch.Tensor, bool]:
+        n = len(ids)
+        off = self.regions.take(n, _event_done) if self.cuda else None
+        if off is None:
+            self.fallbacks += self.cuda
+            return _device_ids(ids, self.device), False
+        self.host[off:off + n] = ids
+        dev = self.buf[off:off + n]
+        dev.copy_(self.pinned[off:off + n], non_blocking=True)
+        self.staged += 1
+        return dev, True
+
+    def consumed(self) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self.regions.hold(ev)
+
+
+def _event_done(ev: Any) -> bool:
+    return ev.query()
+
+
 class PageGather:
     """``gather(ring, start, group, gpu_ids)``: copy every tensor page of KV group
     ``group`` of GPU blocks ``gpu_ids`` into ring rows ``start ..`` on the current CUDA
@@ -167,6 +246,7 @@ class PageGather:
         self.device = ring.device
         self.tables, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
                                                    "PageGather", self.device)
+        self.upload = IdUpload(self.device)
 
     def __call__(self, ring: torch.Tensor, start: int, group: int,
                  gpu_ids: np.ndarray) -> None:
@@ -175,10 +255,12 @@ class PageGather:
         if n == 0 or tab.shape[0] == 0:
             return
         assert ring.data_ptr() == self.ring_ptr, "PageGather was built for another ring"
-        ids = _device_ids(gpu_ids, self.device)
+        ids, staged = self.upload(gpu_ids)
         chunks = -(-self.max_bytes[group] // CHUNK_BYTES)
         _gather_pages_kernel[(n, tab.shape[0], chunks)](
             ids, tab, self.ring_ptr, start, CHUNK=CHUNK_BYTES, num_warps=4)
+        if staged:
+            self.upload.consumed()
 
 
 class HostPageCopy:
@@ -202,6 +284,7 @@ class HostPageCopy:
         self.tables, widest = _page_tables(tensors, group_refs, placement, host,
                                            "HostPageCopy", self.device)
         self.nchunks = [-(-w // CHUNK_BYTES) for w in widest]
+        self.upload = IdUpload(self.device)
 
     def _launch(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
                 host_ids: np.ndarray, to_gpu: bool) -> None:
@@ -211,10 +294,12 @@ class HostPageCopy:
         if n == 0 or tab.shape[0] == 0:
             return
         assert host.data_ptr() == self.host_ptr, "HostPageCopy was built for another buffer"
-        ids = _device_ids(np.concatenate([gpu_ids, host_ids]), self.device)
+        ids, staged = self.upload(np.concatenate([gpu_ids, host_ids]))
         _host_pages_kernel[(self.programs,)](
             ids, n, tab, tab.shape[0], self.nchunks[group], self.host_ptr,
             TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)
+        if staged:
+            self.upload.consumed()
 
     def to_gpu(self, host: torch.Tensor, group: int, host_ids: np.ndarray,
                gpu_ids: np.ndarray) -> None:
