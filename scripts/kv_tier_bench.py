@@ -20,7 +20,9 @@ policy on Ion's data path, to tell the eager policy's cost from the implementati
 `ion-finish` (issue_at=finish: transfers issued at the worker's next get_finished, after
 the step's forward pass is enqueued, instead of inside vLLM's submit calls), `ion-submit`
 (issue_at=submit: issued inside the submit calls; named explicitly so that it stays that
-path whichever issue point is the default).
+path whichever issue point is the default), `ion-staged` (id_upload=staged: the copy
+kernels' block ids through a persistent pinned buffer, not a pinned tensor per launch),
+`ion-finish-staged` (both).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -76,6 +78,8 @@ ION_CONFIGS = {
     "ion-prompt-only": {"offload_prompt_only": True},
     "ion-finish": {"issue_at": "finish"},
     "ion-submit": {"issue_at": "submit"},
+    "ion-staged": {"id_upload": "staged"},
+    "ion-finish-staged": {"issue_at": "finish", "id_upload": "staged"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

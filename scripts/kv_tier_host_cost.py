@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kv_tier_copy_bench import host_block, make_caches  # noqa: E402  (same directory)
 
-ISSUE_POINTS = ("submit", "finish")
+from ion_vllm.kv_tier.staging_ring import ID_UPLOADS, ISSUE_POINTS  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -78,7 +78,8 @@ def _sync(device: str) -> None:
 
 
 def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps: int,
-                   ring_mib: float, busy_ms: float, seed: int) -> dict:
+                   ring_mib: float, busy_ms: float, seed: int,
+                   id_upload: str = "pin_memory") -> dict:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from ion_vllm.kv_tier.manager import IonHostSpec
@@ -90,7 +91,7 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
         raise ValueError(f"{nblocks} GPU blocks are too few for jobs of {max(sizes)}")
     n_host = max(sizes) * 4
     w = IonKVTierWorker(canonical, num_host_blocks=n_host, ring_bytes=int(ring_mib * (1 << 20)),
-                        log_interval_s=0, issue_at=issue_at)
+                        log_interval_s=0, issue_at=issue_at, id_upload=id_upload)
     rows = [c.tensor for c in canonical.tensors]
     rng = np.random.default_rng(seed)
     spec = lambda ids: GPULoadStoreSpec(ids, [len(ids)], [0])  # noqa: E731
@@ -141,7 +142,7 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
         out[str(b)] = {"submit_store": _us(t_sub), "get_finished_after_store": _us(t_fin),
                        "submit_load": _us(t_lsub), "get_finished_after_load": _us(t_lfin)}
     w.shutdown()
-    return {"issue_at": issue_at, "by_blocks": out, "bad_blocks": bad,
+    return {"issue_at": issue_at, "id_upload": id_upload, "by_blocks": out, "bad_blocks": bad,
             "ring_slots": w.ring.num_slots}
 
 
@@ -225,12 +226,15 @@ def run(args) -> dict:
                  "args": vars(args), "busy_cycles_per_s": res_hz, "workers": []}
     ctx = torch.cuda.stream(compute) if compute is not None else _nullctx()
     with ctx:  # the "forward pass" runs on a non-default stream, as vLLM's may
-        for issue_at in args.issue_at.split(","):
-            if issue_at not in ISSUE_POINTS:
-                raise SystemExit(f"unknown issue point {issue_at!r}")
-            res["workers"].append(measure_worker(canonical, device, issue_at, sizes,
-                                                 args.reps, args.ring_mib, args.busy_ms,
-                                                 args.seed + 1))
+        for id_upload in args.id_upload.split(","):
+            if id_upload not in ID_UPLOADS:
+                raise SystemExit(f"unknown id upload {id_upload!r}")
+            for issue_at in args.issue_at.split(","):
+                if issue_at not in ISSUE_POINTS:
+                    raise SystemExit(f"unknown issue point {issue_at!r}")
+                res["workers"].append(measure_worker(canonical, device, issue_at, sizes,
+                                                     args.reps, args.ring_mib, args.busy_ms,
+                                                     args.seed + 1, id_upload))
         if device == "cuda":
             res["parts"], res["staged_uploads"] = measure_parts(canonical, args.reps * 5)
     return res
@@ -249,12 +253,14 @@ def table(res: dict) -> list[str]:
              f"blocks of {res['block_bytes'] / 2**20:.2f} MiB, {res['args']['reps']} rounds "
              f"each, compute stream kept busy ({res['args']['busy_ms']} ms kernel); "
              "median / p90 us of host time", "",
-             "| issue_at | blocks | submit_store | get_finished after | submit_load | "
-             "get_finished after | bad blocks |", "|---|---|---|---|---|---|---|"]
+             "| issue_at | id upload | blocks | submit_store | get_finished after | "
+             "submit_load | get_finished after | bad blocks |",
+             "|---|---|---|---|---|---|---|---|"]
     f = lambda d: f"{d['median_us']:.0f} / {d['p90_us']:.0f}"  # noqa: E731
     for wr in res["workers"]:
         for b, d in wr["by_blocks"].items():
-            lines.append(f"| {wr['issue_at']} | {b} | {f(d['submit_store'])} | "
+            lines.append(f"| {wr['issue_at']} | {wr['id_upload']} | {b} | "
+                         f"{f(d['submit_store'])} | "
                          f"{f(d['get_finished_after_store'])} | {f(d['submit_load'])} | "
                          f"{f(d['get_finished_after_load'])} | {wr['bad_blocks']} |")
     if "parts" in res:
@@ -270,6 +276,9 @@ def table(res: dict) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--issue-at", default="submit,finish")
+    p.add_argument("--id-upload", default="pin_memory,staged",
+                   help="the copy kernels' id uploads to measure (CUDA; on a CPU both "
+                        "take the same path)")
     p.add_argument("--blocks", default="1,4,16", help="store job sizes, in blocks")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--busy-ms", type=float, default=3.0)

@@ -43,6 +43,35 @@ def test_random_ops_cuda_load_paths(layout, host_layout, load_copy, issue_at):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("issue_at", ["submit", "finish"])
+def test_random_ops_cuda_staged_id_uploads(issue_at):
+    """id_upload="staged" with staging buffers of 24 ids, so that regions wrap around and
+    are reused while copies on other streams may still read them: every restored block
+    verified under the randomized harness."""
+    from ion_vllm.kv_tier.page_gather import IdUpload
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    uploads = []
+
+    class SmallStaging(IonKVTierWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            for kernel in (self.ring_gather, self.load_to_gpu.__self__):
+                kernel.upload = IdUpload(self.device, capacity=24)
+                uploads.append(kernel.upload)
+
+    r = run_random_ops(29, 3000, device="cuda", copier="batch", worker_cls=SmallStaging,
+                       runtime=CudaRuntime(torch.device("cuda")), issue_at=issue_at,
+                       id_upload="staged")
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["d2d_blocks"] > 0 and r.worker_stats["loaded_blocks"] > 0
+    assert all(u.staged > 0 for u in uploads), [(u.staged, u.fallbacks) for u in uploads]
+    print("staged / fallbacks:", [(u.staged, u.fallbacks) for u in uploads])
+
+
+@pytest.mark.gpu
 def test_store_load_roundtrip_bandwidth():
     """64 blocks of 2 MiB (8 layers) through a 32 MiB ring and back; bytes identical."""
     import numpy as np

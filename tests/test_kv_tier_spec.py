@@ -216,6 +216,11 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
     assert worker_of({"issue_at": "finish"}).issue_at == "finish"
     with pytest.raises(ValueError, match="issue_at"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "issue_at": "later"}))
+    # the copy kernels' id upload: a pinned tensor per launch by default
+    assert worker_of({}).id_upload == "pin_memory"
+    assert worker_of({"id_upload": "staged"}).id_upload == "staged"
+    with pytest.raises(ValueError, match="id_upload"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "id_upload": "mmap"}))
     # host -> GPU loads: the copier's on CPU tensors under "auto", "kernel" refused there
     assert worker_of({}).load_copy_impl == "copier"
     assert worker_of({"load_copy": "copier"}).load_copy_impl == "copier"

@@ -197,11 +197,12 @@ class IdUpload:
     stream.  ``__call__`` returns (device ids, staged); when ``staged``, the caller calls
     ``consumed()`` on the same stream right after the launch that reads them (one event:
     the region is rewritten only after it completed; ``StagingRegions``).  When the
-    region is still in use, or on a CPU device, it falls back to ``_device_ids``."""
+    region is still in use, on a CPU device, or with ``staged=False`` (every call then
+    takes that path), it falls back to ``_device_ids``."""
 
-    def __init__(self, device: torch.device, capacity: int = 1 << 15):
+    def __init__(self, device: torch.device, capacity: int = 1 << 15, staged: bool = True):
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda" and staged
         self.regions = StagingRegions(capacity)
         self.staged = self.fallbacks = 0
         if self.cuda:
@@ -239,14 +240,14 @@ class PageGather:
     def __init__(self, tensors: Sequence[torch.Tensor],
                  group_refs: Sequence[Sequence[tuple[int, int]]],
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
-                 ring: torch.Tensor):
+                 ring: torch.Tensor, staged_ids: bool = True):
         if triton is None:
             raise RuntimeError("PageGather needs Triton")
         self.ring_ptr = ring.data_ptr()
         self.device = ring.device
         self.tables, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
                                                    "PageGather", self.device)
-        self.upload = IdUpload(self.device)
+        self.upload = IdUpload(self.device, staged=staged_ids)
 
     def __call__(self, ring: torch.Tensor, start: int, group: int,
                  gpu_ids: np.ndarray) -> None:
@@ -273,7 +274,8 @@ class HostPageCopy:
     def __init__(self, tensors: Sequence[torch.Tensor],
                  group_refs: Sequence[Sequence[tuple[int, int]]],
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
-                 host: torch.Tensor, device: torch.device, programs: int = HOST_PROGRAMS):
+                 host: torch.Tensor, device: torch.device, programs: int = HOST_PROGRAMS,
+                 staged_ids: bool = True):
         if triton is None:
             raise RuntimeError("HostPageCopy needs Triton")
         if programs < 1:
@@ -284,7 +286,7 @@ class HostPageCopy:
         self.tables, widest = _page_tables(tensors, group_refs, placement, host,
                                            "HostPageCopy", self.device)
         self.nchunks = [-(-w // CHUNK_BYTES) for w in widest]
-        self.upload = IdUpload(self.device)
+        self.upload = IdUpload(self.device, staged=staged_ids)
 
     def _launch(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
                 host_ids: np.ndarray, to_gpu: bool) -> None:

@@ -38,6 +38,9 @@ kv_connector_extra_config keys:
                                 transfer's GPU work inside the submit call, before the
                                 step's forward pass is enqueued, or at the worker's next
                                 get_finished, after it (see worker.py, "Issue")
+  id_upload                     "pin_memory" (default) | "staged": the copy kernels'
+                                block ids reach the GPU through a pinned tensor per
+                                launch, or a persistent pinned buffer (page_gather.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -55,6 +58,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
     check_host_layout,
+    check_id_upload,
     check_issue_at,
     check_load_copy,
     check_overflow,
@@ -173,17 +177,20 @@ class IonKVTierSpec(OffloadingSpec):
                                              "ring_gather")
         self.load_copy = check_load_copy(str(extra.get("load_copy", "auto")), "load_copy")
         self.issue_at = check_issue_at(str(extra.get("issue_at", "submit")), "issue_at")
+        self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
+                                         "id_upload")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
-            "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s",
+            "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s, "
+            "id upload %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
-            self.load_copy, self.issue_at)
+            self.load_copy, self.issue_at, self.id_upload)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -212,6 +219,7 @@ class IonKVTierSpec(OffloadingSpec):
                 ring_gather=self.ring_gather,
                 load_copy=self.load_copy,
                 issue_at=self.issue_at,
+                id_upload=self.id_upload,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -55,6 +55,10 @@ LOAD_COPIES = ("auto", "kernel", "copier")
 #: ``"submit"`` (default): inside ``submit_store`` / ``submit_load``, before the step's
 #: forward pass is enqueued; ``"finish"``: at its next ``get_finished`` / ``wait``, after.
 ISSUE_POINTS = ("submit", "finish")
+#: How the copy kernels get their block ids onto the GPU (``page_gather.IdUpload``):
+#: ``"pin_memory"`` (default): a pinned host tensor from PyTorch's caching host allocator
+#: per launch; ``"staged"``: a persistent pinned buffer, no allocation per launch.
+ID_UPLOADS = ("pin_memory", "staged")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
@@ -87,6 +91,11 @@ def check_ring_gather(choice: str, name: str = "ring_gather") -> str:
 def check_load_copy(choice: str, name: str = "load_copy") -> str:
     """``choice`` if it is one of LOAD_COPIES, else a ValueError naming ``name``."""
     return _check_choice(choice, LOAD_COPIES, name)
+
+
+def check_id_upload(choice: str, name: str = "id_upload") -> str:
+    """``choice`` if it is one of ID_UPLOADS, else a ValueError naming ``name``."""
+    return _check_choice(choice, ID_UPLOADS, name)
 
 
 def check_issue_at(point: str, name: str = "issue_at") -> str:

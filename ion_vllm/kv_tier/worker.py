@@ -155,6 +155,7 @@ from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
     check_host_layout,
+    check_id_upload,
     check_issue_at,
     check_load_copy,
     check_overflow,
@@ -580,9 +581,11 @@ class IonKVTierWorker(OffloadingWorker):
         ring_gather: str = "auto",
         load_copy: str = "auto",
         issue_at: str = "submit",
+        id_upload: str = "pin_memory",
     ):
         self.overflow = check_overflow(overflow)
         self.issue_at = check_issue_at(issue_at)
+        self.id_upload = check_id_upload(id_upload)
         # submitted, not yet issued (issue_at="finish"): ("store", job) / ("load", args)
         self._submitted: deque[tuple[str, Any]] = deque()
         self.completion = check_store_completion(completion, "completion")
@@ -699,7 +702,8 @@ class IonKVTierWorker(OffloadingWorker):
         copier."""
         def build():
             return page_gather.PageGather(self.tensors, self.copier.group_refs,
-                                          self.copier.placement, self.ring.buffer)
+                                          self.copier.placement, self.ring.buffer,
+                                          staged_ids=self.id_upload == "staged")
 
         def prepare(gather):
             for g in range(len(self.copier.group_refs)):  # compile (Triton JIT)
@@ -722,7 +726,8 @@ class IonKVTierWorker(OffloadingWorker):
         CUDA with Triton and a pinned host pool, else the copier)."""
         def build():
             return page_gather.HostPageCopy(self.tensors, self.copier.group_refs,
-                                            self.copier.placement, self.host, self.device)
+                                            self.copier.placement, self.host, self.device,
+                                            staged_ids=self.id_upload == "staged")
 
         def prepare(hpc):
             hpc.warm_up()
