@@ -1,27 +1,22 @@
-"""A request aborted while it waits after a preemption, in vLLM 0.26's OffloadingConnector
-(scheduler side, unchanged vLLM code): seen on the H100 on 2026-12-06 when the benchmark's
-time limit shut an engine down with preempted requests waiting (EngineCore fatal error,
-``assert len(offload_keys) == len(offload_block_ids)`` in ``_build_store_jobs``).
+"""A request aborted while it waits after a preemption: vLLM 0.26's OffloadingConnector
+(scheduler side) fails ``assert len(offload_keys) == len(offload_block_ids)`` in
+``_build_store_jobs`` and EngineCore dies (seen on the H100 on 2026-12-06 when the KV tier
+benchmark's time limit shut an engine down with preempted requests waiting).  The Ion
+spec installs a guard (``ion_vllm/kv_tier/vllm_guards.py``); these tests drive vLLM's real
+Scheduler on the CPU with and without it."""
 
-Why: preemption clears the request's GPU block ids in the connector's scheduler state;
-``request_finished`` then extends its offload keys to every block full by token count,
-and when the last sampled token (never computed) completes a block, the next
-``_build_store_jobs`` asks for one block more than the cleared id list holds.  Only
-policies that store past the prompt reach it this way (Ion's default, vLLM's
-``offload_prompt_only: false``); vLLM's prompt-only default caps the keys at the prompt.
-
-These tests pin the behaviour down through vLLM's real Scheduler on the CPU, so that the
-day vLLM (or a guard on Ion's side) changes it, they say so."""
+from types import SimpleNamespace
 
 import pytest
 
 from test_kv_tier_scheduler import BS, Engine, _prompt, vllm_cpu  # noqa: F401  (fixture)
 
 
-def _preempt_at_block_boundary(vllm_cpu, extra):  # noqa: F811
+def _preempt_at_block_boundary(vllm_cpu, extra=None):  # noqa: F811
     """An engine whose request r2 was preempted while its token count was a multiple of
     the block size (its last sampled token completes a block), and still waits after a
-    readmission attempt (a lookup) found no room."""
+    readmission attempt (a lookup, which clears the connector's block ids of r2) found no
+    room."""
     for p2 in range(33, 64):
         eng = Engine(vllm_cpu, gpu_blocks=10, host_blocks=64, store_lag=1, max_num_seqs=2,
                      extra=extra)
@@ -33,12 +28,9 @@ def _preempt_at_block_boundary(vllm_cpu, extra):  # noqa: F811
             continue
         if r2.num_tokens % BS or r2.is_finished():
             continue
-        # the scheduler tries to readmit r2: its lookup clears the connector's block ids
-        # of r2; the pool still has no room, so r2 keeps waiting
         n = len(eng.matched)
         eng.step()
-        if any(m[0] == "r2" for m in eng.matched[n:]) and not eng.sched.requests[
-                "r2"].num_computed_tokens and r2 in eng.sched.waiting:
+        if any(m[0] == "r2" for m in eng.matched[n:]) and r2 in eng.sched.waiting:
             return eng, r1, r2
     pytest.fail("no prompt length preempts r2 at a block boundary")
 
@@ -49,8 +41,22 @@ def _abort(eng, rid):
     eng.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
 
 
-def test_abort_of_a_preempted_request_trips_vllms_store_assertion(vllm_cpu):  # noqa: F811
-    eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu, None)
+@pytest.fixture
+def no_guard(monkeypatch):
+    """vLLM's request_finished as shipped (the guard taken off for one test)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler as cls)
+
+    from ion_vllm.kv_tier.vllm_guards import install_abort_guard
+
+    install_abort_guard()
+    monkeypatch.setattr(cls, "request_finished", cls.request_finished.__wrapped__)
+    # and the spec does not put it back when the engine builds its manager
+    monkeypatch.setattr("ion_vllm.kv_tier.spec.install_abort_guard", lambda: False)
+
+
+def test_without_the_guard_vllm_asserts(vllm_cpu, no_guard):  # noqa: F811
+    eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu)
     _abort(eng, "r2")
     with pytest.raises(AssertionError) as e:
         eng.run_to_completion(r1)
@@ -59,8 +65,61 @@ def test_abort_of_a_preempted_request_trips_vllms_store_assertion(vllm_cpu):  # 
     assert "len(offload_keys) == len(offload_block_ids)" in str(last.statement)
 
 
-def test_prompt_only_policy_does_not_reach_it(vllm_cpu):  # noqa: F811
+def test_prompt_only_policy_does_not_reach_it_even_without_the_guard(
+        vllm_cpu, no_guard):  # noqa: F811
     eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu, {"offload_prompt_only": True})
     _abort(eng, "r2")
     eng.run_to_completion(r1)
     assert r1.num_output_tokens == 60
+
+
+def test_with_the_guard_the_engine_goes_on_and_the_tier_keeps_r2s_blocks(
+        vllm_cpu):  # noqa: F811
+    eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu)
+    stored = eng.host_ids_of("r2")  # stored before / flushed at the preemption
+    assert stored
+    n_out = len(eng.outputs)
+    _abort(eng, "r2")
+    eng.run_to_completion(r1)
+    assert r1.num_output_tokens == 60
+    # nothing stored for r2 after the abort, and its state is gone from the connector
+    assert not [1 for _, _, meta in eng.outputs[n_out:]
+                for job in meta.store_jobs.values() if job.req_id == "r2"]
+    assert "r2" not in eng.cs._req_status
+    # what was stored for r2 still serves a request with r2's tokens
+    r3 = eng.add("r3", list(r2.all_token_ids[:len(stored) * BS + 3]), max_tokens=2)
+    eng.run_to_completion(r3)
+    ext = [m for m in eng.matched if m[0] == "r3"][0][2]
+    assert ext == len(stored) * BS
+
+
+def _state(keys, ids, next_idx):
+    return SimpleNamespace(offload_keys=list(range(keys)), block_ids=list(range(ids)),
+                           next_stored_chunk_idx=next_idx)
+
+
+def test_skip_chunks_without_gpu_blocks():
+    from ion_vllm.kv_tier.vllm_guards import skip_chunks_without_gpu_blocks as skip
+
+    # block ids cover the keys (a request that finished while running): untouched
+    st = SimpleNamespace(group_states=(_state(5, 5, 4),))
+    assert skip(st, 1) == 0 and st.group_states[0].next_stored_chunk_idx == 4
+    # cleared by a readmission lookup: the unstored chunks are skipped
+    st = SimpleNamespace(group_states=(_state(5, 0, 4), _state(3, 3, 1)))
+    assert skip(st, 1) == 1
+    assert [g.next_stored_chunk_idx for g in st.group_states] == [5, 1]
+    # everything already stored: nothing to skip
+    st = SimpleNamespace(group_states=(_state(5, 0, 5),))
+    assert skip(st, 1) == 0
+    # two blocks a chunk: 3 keys need 6 ids
+    st = SimpleNamespace(group_states=(_state(3, 5, 1),))
+    assert skip(st, 2) == 2 and st.group_states[0].next_stored_chunk_idx == 3
+    st = SimpleNamespace(group_states=(_state(3, 6, 1),))
+    assert skip(st, 2) == 0
+
+
+def test_install_is_idempotent():
+    from ion_vllm.kv_tier.vllm_guards import install_abort_guard
+
+    install_abort_guard()
+    assert install_abort_guard() is False

@@ -66,6 +66,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import add_process_counters, metric_definitions, process_counter_values
+from ion_vllm.kv_tier.vllm_guards import install_abort_guard
 
 logger = init_logger(__name__)
 
@@ -194,6 +195,9 @@ class IonKVTierSpec(OffloadingSpec):
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
+            # scheduler side: vLLM 0.26 crashes on an abort of a preempted request that
+            # this spec's store policy reaches (vllm_guards)
+            install_abort_guard()
             self._manager = IonKVTierSchedulerManager(
                 num_host_blocks=self.num_host_blocks,
                 block_bytes=self.block_bytes,

@@ -1,0 +1,76 @@
+"""A guard for a vLLM 0.26 engine crash that the Ion tier's store policy reaches.
+
+The crash (vLLM's own scheduler-side OffloadingConnector code): a request that is
+preempted, then tried for readmission (its lookup clears the connector's record of its GPU
+block ids) and left waiting for room, then aborted (a client disconnects, the server shuts
+down) while its token count is a multiple of the block size.  ``request_finished`` extends
+its offload keys to every block full by token count, the last of them completed by the final
+sampled token; the next ``_build_store_jobs`` slices as many GPU block ids as keys beyond
+what was stored, finds the cleared list, and fails ``assert len(offload_keys) ==
+len(offload_block_ids)``: EngineCore dies.  It needs a policy that stores past the prompt
+(Ion's default; vLLM's ``offload_prompt_only: false``), and was hit on the H100 on
+2026-12-06 when the KV tier benchmark's time limit shut an engine down with preempted
+requests waiting (``tests/test_kv_tier_abort_preempted.py`` reproduces it through vLLM's
+Scheduler on the CPU).
+
+The guard: after vLLM's ``request_finished``, chunks of a finished request that have no GPU
+block left to copy from are marked as not to be stored (``next_stored_chunk_idx`` moved past
+them).  A preempted, waiting request holds no GPU blocks, so nothing storable is skipped;
+its KV up to the preemption was stored (or flushed) when it was preempted.  A request that
+finished while running keeps its block ids and is not touched.  Installed by the Ion spec on
+the scheduler side (``IonKVTierSpec.get_manager``), once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_ion_abort_guard"
+
+
+def skip_chunks_without_gpu_blocks(req_status: Any, blocks_per_chunk: int) -> int:
+    """Move each KV group's ``next_stored_chunk_idx`` of a finished request past the
+    chunks whose GPU block ids the connector no longer holds (its block id list is shorter
+    than its keys need).  Pure bookkeeping on vLLM's ``RequestOffloadState``; returns the
+    number of chunks skipped (0 when every chunk still has its blocks)."""
+    skipped = 0
+    for state in req_status.group_states:
+        keys = len(state.offload_keys)
+        if len(state.block_ids) >= keys * blocks_per_chunk:
+            continue
+        if state.next_stored_chunk_idx < keys:
+            skipped += keys - state.next_stored_chunk_idx
+            state.next_stored_chunk_idx = keys
+    return skipped
+
+
+def install_abort_guard() -> bool:
+    """Wrap vLLM's ``OffloadingConnectorScheduler.request_finished`` with the guard (module
+    docstring).  Idempotent; returns whether this call installed it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler as cls)
+
+    orig = cls.request_finished
+    if getattr(orig, _MARK, False):
+        return False
+
+    def request_finished(self, request):
+        out = orig(self, request)
+        st = self._req_status.get(request.request_id)
+        if st is not None:
+            n = skip_chunks_without_gpu_blocks(st, self.config.blocks_per_chunk)
+            if n:
+                logger.info("Ion KV tier: request %s finished while preempted; %d chunk(s) "
+                            "without GPU blocks are not stored", request.request_id, n)
+        return out
+
+    setattr(request_finished, _MARK, True)
+    request_finished.__wrapped__ = orig  # type: ignore[attr-defined]
+    request_finished.__doc__ = orig.__doc__
+    cls.request_finished = request_finished  # type: ignore[method-assign]
+    logger.info("Ion KV tier: guard installed on OffloadingConnectorScheduler."
+                "request_finished (abort of a preempted request)")
+    return True
