@@ -22,7 +22,9 @@ the step's forward pass is enqueued, instead of inside vLLM's submit calls), `io
 (issue_at=submit: issued inside the submit calls; named explicitly so that it stays that
 path whichever issue point is the default), `ion-staged` (id_upload=staged: the copy
 kernels' block ids through a persistent pinned buffer, not a pinned tensor per launch),
-`ion-finish-staged` (both).
+`ion-finish-staged` (both), `ion-delay-submit` / `ion-delay-finish` (a test-only probe:
+2 ms of extra host time per store job, in `submit_store` or in the next `get_finished`, to
+measure how much of the engine loop's host time reaches the wall time).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -80,6 +82,8 @@ ION_CONFIGS = {
     "ion-submit": {"issue_at": "submit"},
     "ion-staged": {"id_upload": "staged"},
     "ion-finish-staged": {"issue_at": "finish", "id_upload": "staged"},
+    "ion-delay-submit": {"host_delay_us": 2000, "host_delay_at": "submit"},
+    "ion-delay-finish": {"host_delay_us": 2000, "host_delay_at": "finish"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
+    check_host_delay,
     check_host_layout,
     check_id_upload,
     check_issue_at,
@@ -181,6 +182,13 @@ class IonKVTierSpec(OffloadingSpec):
         self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
                                          "id_upload")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
+        # test-only: extra host time per store job (worker.py, "host-time probe")
+        self.host_delay_us, self.host_delay_at = check_host_delay(
+            float(extra.get("host_delay_us", 0)), str(extra.get("host_delay_at", "submit")))
+        if self.host_delay_us:
+            logger.warning("Ion KV tier: host_delay_us=%g (%s): every store job spends that "
+                           "much extra host time - a test-only probe, never for serving",
+                           self.host_delay_us, self.host_delay_at)
         self._manager: IonKVTierManager | None = None
         self._worker = None
         logger.info(
@@ -224,6 +232,8 @@ class IonKVTierSpec(OffloadingSpec):
                 load_copy=self.load_copy,
                 issue_at=self.issue_at,
                 id_upload=self.id_upload,
+                host_delay_us=self.host_delay_us,
+                host_delay_at=self.host_delay_at,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

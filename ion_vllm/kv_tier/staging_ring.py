@@ -59,6 +59,10 @@ ISSUE_POINTS = ("submit", "finish")
 #: ``"pin_memory"`` (default): a pinned host tensor from PyTorch's caching host allocator
 #: per launch; ``"staged"``: a persistent pinned buffer, no allocation per launch.
 ID_UPLOADS = ("pin_memory", "staged")
+#: Test-only host-time probe (``host_delay_us``): where the worker spends the extra host
+#: time of each store job: in ``submit_store`` (before the step's forward pass is
+#: enqueued) or in the next ``get_finished`` (after it).
+HOST_DELAY_POINTS = ("submit", "finish")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
@@ -91,6 +95,14 @@ def check_ring_gather(choice: str, name: str = "ring_gather") -> str:
 def check_load_copy(choice: str, name: str = "load_copy") -> str:
     """``choice`` if it is one of LOAD_COPIES, else a ValueError naming ``name``."""
     return _check_choice(choice, LOAD_COPIES, name)
+
+
+def check_host_delay(us: float, at: str) -> tuple[float, str]:
+    """(``us``, ``at``) of the test-only host-time probe, checked: ``us`` >= 0 and ``at``
+    one of HOST_DELAY_POINTS, else a ValueError naming the key."""
+    if not us >= 0:
+        raise ValueError(f"Ion KV tier: host_delay_us must be >= 0, not {us!r}")
+    return float(us), _check_choice(at, HOST_DELAY_POINTS, "host_delay_at")
 
 
 def check_id_upload(choice: str, name: str = "id_upload") -> str:

@@ -107,6 +107,13 @@ measure ahead on the H100 (twenty-fourth session: 0.994 / 0.991 of native agains
 for ``"submit"``, the same step time): it moves the host time into ``get_finished``,
 where it costs the engine loop as much.
 
+Host-time probe (spec keys ``host_delay_us`` / ``host_delay_at``; test-only, off by
+default): every store job spends that much extra host time (a busy wait, the GIL held),
+inside ``submit_store`` ("submit") or in the next ``get_finished`` ("finish").  It
+measures how much of the tier's host time reaches the engine's wall time, and whether it
+matters where in the engine loop that time sits (bench configs ``ion-delay-submit`` /
+``ion-delay-finish``).
+
 Verify mode (``ION_KV_TIER_VERIFY=1`` or the spec's ``verify`` key; a test mode,
 off by default: it costs GPU time and a host sync per finished load)
 ----------------------------------------------------------------------------
@@ -156,6 +163,7 @@ from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
 from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
+    check_host_delay,
     check_host_layout,
     check_id_upload,
     check_issue_at,
@@ -541,6 +549,14 @@ class _LoadJob:
     expected: list[tuple[_FpBatch, int] | None] | None = None
 
 
+def _spin(seconds: float) -> None:
+    """Busy host time (the GIL held, as the tier's own Python work holds it): the
+    test-only host-time probe."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _flatten(gpu_spec: GPULoadStoreSpec, other: BlockIDsLoadStoreSpec):
     gpu = np.asarray(gpu_spec.block_ids, dtype=np.int64)
     oth = np.asarray(other.block_ids, dtype=np.int64)
@@ -584,8 +600,15 @@ class IonKVTierWorker(OffloadingWorker):
         load_copy: str = "auto",
         issue_at: str = "submit",
         id_upload: str = "pin_memory",
+        host_delay_us: float = 0.0,
+        host_delay_at: str = "submit",
     ):
         self.overflow = check_overflow(overflow)
+        # test-only host-time probe (spec keys host_delay_us / host_delay_at): extra host
+        # time per store job, spent in submit_store or in the next get_finished
+        us, self.host_delay_at = check_host_delay(host_delay_us, host_delay_at)
+        self._host_delay_s = us * 1e-6
+        self._host_delay_owed = 0  # store jobs whose delay the next get_finished spends
         self.issue_at = check_issue_at(issue_at)
         self.id_upload = check_id_upload(id_upload)
         # submitted, not yet issued (issue_at="finish"): ("store", job) / ("load", args)
@@ -756,6 +779,11 @@ class IonKVTierWorker(OffloadingWorker):
         job = _StoreJob(job_id, groups, gpu, host, nbytes)
         self._stores[job_id] = job
         self.stats.store_jobs += 1
+        if self._host_delay_s:
+            if self.host_delay_at == "submit":
+                _spin(self._host_delay_s)
+            else:
+                self._host_delay_owed += 1
         if self.issue_at == "submit":
             self._issue_store(job)
         else:
@@ -1024,6 +1052,9 @@ class IonKVTierWorker(OffloadingWorker):
     # ------------------------------------------------------------ completion
     @traced("ion_kv:get_finished")
     def get_finished(self) -> list[TransferResult]:
+        if self._host_delay_owed:
+            _spin(self._host_delay_s * self._host_delay_owed)
+            self._host_delay_owed = 0
         self._issue_submitted()
         self._pump()
         rt = self.rt
