@@ -1,24 +1,28 @@
-"""A guard for a vLLM 0.26 engine crash that the Ion tier's store policy reaches.
+"""A guard for a vLLM 0.26 engine crash in its OffloadingConnector, which the Ion tier
+reaches more often than vLLM's default policy does.
 
-The crash (vLLM's own scheduler-side OffloadingConnector code): a request that is
-preempted, then tried for readmission (its lookup clears the connector's record of its GPU
-block ids) and left waiting for room, then aborted (a client disconnects, the server shuts
-down) while its token count is a multiple of the block size.  ``request_finished`` extends
-its offload keys to every block full by token count, the last of them completed by the final
-sampled token; the next ``_build_store_jobs`` slices as many GPU block ids as keys beyond
-what was stored, finds the cleared list, and fails ``assert len(offload_keys) ==
-len(offload_block_ids)``: EngineCore dies.  It needs a policy that stores past the prompt
-(Ion's default; vLLM's ``offload_prompt_only: false``), and was hit on the H100 on
-2026-12-06 when the KV tier benchmark's time limit shut an engine down with preempted
-requests waiting (``tests/test_kv_tier_abort_preempted.py`` reproduces it through vLLM's
-Scheduler on the CPU).
+The crash (vLLM's own scheduler-side code): a request is looked up (which clears the
+connector's record of its GPU block ids), finds no room and waits, and is then aborted (a
+client disconnects, the server shuts down).  ``request_finished`` extends its offload keys
+to every block full by token count, and the next ``_build_store_jobs`` slices as many GPU
+block ids as keys beyond what was stored, finds the cleared list, and fails ``assert
+len(offload_keys) == len(offload_block_ids)``: EngineCore dies.  Two ways in:
+* a new request waiting for room after its lookup, with at least one full prompt block
+  (any store policy, vLLM's default included);
+* a preempted request tried for readmission, whose final sampled token completes a block
+  (policies that store past the prompt: Ion's default, vLLM's
+  ``offload_prompt_only: false``).
+The second was hit on the H100 on 2026-12-06 when the KV tier benchmark's time limit shut
+an engine down with preempted requests waiting; ``tests/test_kv_tier_abort_waiting.py``
+reproduces both through vLLM's Scheduler on the CPU.
 
 The guard: after vLLM's ``request_finished``, chunks of a finished request that have no GPU
 block left to copy from are marked as not to be stored (``next_stored_chunk_idx`` moved past
-them).  A preempted, waiting request holds no GPU blocks, so nothing storable is skipped;
-its KV up to the preemption was stored (or flushed) when it was preempted.  A request that
-finished while running keeps its block ids and is not touched.  Installed by the Ion spec on
-the scheduler side (``IonKVTierSpec.get_manager``), once per process.
+them).  A waiting request holds no GPU blocks, so nothing storable is skipped: a new one
+computed nothing, a preempted one had what it computed stored or flushed when it was
+preempted.  A request that finished while running keeps its block ids and is not touched.
+Installed by the Ion spec on the scheduler side (``IonKVTierSpec.get_manager``), once per
+process.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def install_abort_guard() -> bool:
         if st is not None:
             n = skip_chunks_without_gpu_blocks(st, self.config.blocks_per_chunk)
             if n:
-                logger.info("Ion KV tier: request %s finished while preempted; %d chunk(s) "
+                logger.info("Ion KV tier: request %s finished while waiting; %d chunk(s) "
                             "without GPU blocks are not stored", request.request_id, n)
         return out
 
@@ -72,5 +76,5 @@ def install_abort_guard() -> bool:
     request_finished.__doc__ = orig.__doc__
     cls.request_finished = request_finished  # type: ignore[method-assign]
     logger.info("Ion KV tier: guard installed on OffloadingConnectorScheduler."
-                "request_finished (abort of a preempted request)")
+                "request_finished (abort of a waiting request)")
     return True

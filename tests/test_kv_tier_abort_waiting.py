@@ -1,9 +1,11 @@
-"""A request aborted while it waits after a preemption: vLLM 0.26's OffloadingConnector
+"""A request aborted while it waits after a lookup: vLLM 0.26's OffloadingConnector
 (scheduler side) fails ``assert len(offload_keys) == len(offload_block_ids)`` in
 ``_build_store_jobs`` and EngineCore dies (seen on the H100 on 2026-12-06 when the KV tier
-benchmark's time limit shut an engine down with preempted requests waiting).  The Ion
-spec installs a guard (``ion_vllm/kv_tier/vllm_guards.py``); these tests drive vLLM's real
-Scheduler on the CPU with and without it."""
+benchmark's time limit shut an engine down with preempted requests waiting).  Two ways in:
+a new request that waits for room after its lookup (any store policy), and a preempted one
+whose final sampled token completes a block (policies that store past the prompt).  The
+Ion spec installs a guard (``ion_vllm/kv_tier/vllm_guards.py``); these tests drive vLLM's
+real Scheduler on the CPU with and without it."""
 
 from types import SimpleNamespace
 
@@ -35,6 +37,21 @@ def _preempt_at_block_boundary(vllm_cpu, extra=None):  # noqa: F811
     pytest.fail("no prompt length preempts r2 at a block boundary")
 
 
+def _waiting_after_lookup(vllm_cpu, extra=None):  # noqa: F811
+    """An engine whose new request r2 (6 full prompt blocks) was looked up and waits for
+    room behind r1, nothing of it computed."""
+    eng = Engine(vllm_cpu, gpu_blocks=10, host_blocks=64, store_lag=1, max_num_seqs=2,
+                 extra=extra)
+    r1 = eng.add("r1", _prompt(3, 96), max_tokens=30)
+    eng.step()
+    r2 = eng.add("r2", _prompt(4, 100), max_tokens=10)
+    eng.step()
+    eng.step()
+    assert r2 in eng.sched.waiting and r2.num_computed_tokens == 0
+    assert [m for m in eng.matched if m[0] == "r2"]
+    return eng, r1, r2
+
+
 def _abort(eng, rid):
     from vllm.v1.request import RequestStatus
 
@@ -55,9 +72,7 @@ def no_guard(monkeypatch):
     monkeypatch.setattr("ion_vllm.kv_tier.spec.install_abort_guard", lambda: False)
 
 
-def test_without_the_guard_vllm_asserts(vllm_cpu, no_guard):  # noqa: F811
-    eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu)
-    _abort(eng, "r2")
+def _assert_vllm_store_assertion(eng, r1):
     with pytest.raises(AssertionError) as e:
         eng.run_to_completion(r1)
     last = e.traceback[-1]
@@ -65,8 +80,41 @@ def test_without_the_guard_vllm_asserts(vllm_cpu, no_guard):  # noqa: F811
     assert "len(offload_keys) == len(offload_block_ids)" in str(last.statement)
 
 
+def _assert_goes_on(eng, r1, n_out, max_tokens):
+    eng.run_to_completion(r1)
+    assert r1.num_output_tokens == max_tokens
+    assert not [1 for _, _, meta in eng.outputs[n_out:]
+                for job in meta.store_jobs.values() if job.req_id == "r2"]
+    assert "r2" not in eng.cs._req_status
+
+
+def test_without_the_guard_vllm_asserts(vllm_cpu, no_guard):  # noqa: F811
+    eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu)
+    _abort(eng, "r2")
+    _assert_vllm_store_assertion(eng, r1)
+
+
+@pytest.mark.parametrize("extra", [None, {"offload_prompt_only": True}],
+                         ids=["all-blocks", "prompt-only"])
+def test_new_request_aborted_while_waiting(vllm_cpu, extra, no_guard):  # noqa: F811
+    """Without the guard, any store policy: vLLM's own default crashes here too."""
+    eng, r1, r2 = _waiting_after_lookup(vllm_cpu, extra)
+    _abort(eng, "r2")
+    _assert_vllm_store_assertion(eng, r1)
+
+
+@pytest.mark.parametrize("extra", [None, {"offload_prompt_only": True}],
+                         ids=["all-blocks", "prompt-only"])
+def test_new_request_aborted_while_waiting_with_the_guard(vllm_cpu, extra):  # noqa: F811
+    eng, r1, r2 = _waiting_after_lookup(vllm_cpu, extra)
+    n_out = len(eng.outputs)
+    _abort(eng, "r2")
+    _assert_goes_on(eng, r1, n_out, 30)
+
+
 def test_prompt_only_policy_does_not_reach_it_even_without_the_guard(
         vllm_cpu, no_guard):  # noqa: F811
+    """The preempted-at-a-boundary way in needs a policy that stores past the prompt."""
     eng, r1, r2 = _preempt_at_block_boundary(vllm_cpu, {"offload_prompt_only": True})
     _abort(eng, "r2")
     eng.run_to_completion(r1)
@@ -80,12 +128,8 @@ def test_with_the_guard_the_engine_goes_on_and_the_tier_keeps_r2s_blocks(
     assert stored
     n_out = len(eng.outputs)
     _abort(eng, "r2")
-    eng.run_to_completion(r1)
-    assert r1.num_output_tokens == 60
     # nothing stored for r2 after the abort, and its state is gone from the connector
-    assert not [1 for _, _, meta in eng.outputs[n_out:]
-                for job in meta.store_jobs.values() if job.req_id == "r2"]
-    assert "r2" not in eng.cs._req_status
+    _assert_goes_on(eng, r1, n_out, 60)
     # what was stored for r2 still serves a request with r2's tokens
     r3 = eng.add("r3", list(r2.all_token_ids[:len(stored) * BS + 3]), max_tokens=2)
     eng.run_to_completion(r3)
