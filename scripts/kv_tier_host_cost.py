@@ -17,6 +17,11 @@ Per issue point and job size (blocks): ``reps`` rounds of
 then the same for loads of those host blocks into other GPU blocks (checked byte for byte
 against the sources).  On CUDA it also times the pieces a ring piece is made of (event
 record, stream wait, id upload, gather launch, drain copy), to say where the time goes.
+``--breakdown B`` (default 4; 0: off) then runs the store/load rounds once more with jobs of
+B blocks and every worker method, runtime call and copy function a job goes through wrapped
+in a host clock (``HostClock``): each entry point's time split into the exclusive time of
+each part, in the real call sequence rather than one part in a loop (the wrappers add
+about a microsecond a call).
 
     python3 scripts/kv_tier_host_cost.py --out bench/results/<dir>
 
@@ -61,6 +66,84 @@ def _busy(device: str, ms: float) -> None:
 _busy.hz = 1.5e9  # set from the device's clock in run()
 
 
+class HostClock:
+    """Exclusive host time of wrapped callables, per call of an entry point.
+
+    ``wrap(name, fn)`` returns ``fn`` timed: its time minus that of the wrapped calls it
+    makes counts under ``name``.  A wrapped call made when no other is running is an entry
+    point: when it returns, the exclusive times of everything under it (itself included)
+    are kept as one record of that entry point and the counts start again."""
+
+    def __init__(self):
+        self.excl: dict[str, float] = {}
+        self.stack: list[float] = []  # time of finished wrapped children, per open call
+        self.records: dict[str, list[dict[str, float]]] = {}
+        self.recording = True  # off: entry points are timed but not kept
+        self.tag: str | None = None  # the key of the next records, instead of the entry name
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            self.stack.append(0.0)
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                child = self.stack.pop()
+                self.excl[name] = self.excl.get(name, 0.0) + dt - child
+                if self.stack:
+                    self.stack[-1] += dt
+                else:
+                    if self.recording:
+                        self.records.setdefault(self.tag or name, []).append(self.excl)
+                    self.excl = {}
+        return timed
+
+    def summary(self) -> dict:
+        """entry point -> {"calls", "total_us" (median), "parts" {name: median us}}, the
+        parts in decreasing order (a part absent from a call counts 0 there)."""
+        out = {}
+        for entry, recs in self.records.items():
+            names = {k for r in recs for k in r}
+            med = {k: statistics.median([r.get(k, 0.0) for r in recs]) * 1e6 for k in names}
+            out[entry] = {"calls": len(recs),
+                          "total_us": statistics.median([sum(r.values()) for r in recs]) * 1e6,
+                          "parts": dict(sorted(med.items(), key=lambda kv: -kv[1]))}
+        return out
+
+
+#: what a store or load job goes through, by owner: the worker's methods, its runtime's
+#: stream/event calls, its copy functions (instance attributes), and module functions
+CLOCKED_WORKER = ("submit_store", "submit_load", "get_finished", "_issue_submitted",
+                  "_issue_store", "_pump", "_issue_ring_piece", "_issue_spill",
+                  "_issue_direct", "_issue_load", "_after_compute", "_after_pending_writes",
+                  "_host_written", "_nbytes", "ring_gather", "load_to_gpu")
+CLOCKED_RUNTIME = ("launch", "record", "wait_event", "wait_current", "mark_current",
+                   "wait_mark", "query", "elapsed")
+CLOCKED_COPIER = ("drain", "to_host")
+CLOCKED_MODULES = (("ion_vllm.kv_tier.worker", "_flatten"),
+                   ("ion_vllm.kv_tier.page_gather", "_device_ids"))
+
+
+def clock_worker(w, clock: HostClock, restore: list) -> None:
+    """Wrap the worker's parts in ``clock`` (instance attributes shadow the methods, so
+    the worker's own calls go through the wrappers); ``restore`` gets (owner, name, old)
+    for the module functions, which outlive the worker."""
+    import importlib
+
+    for name in CLOCKED_WORKER:
+        setattr(w, name, clock.wrap(name, getattr(w, name)))
+    for name in CLOCKED_RUNTIME:
+        setattr(w.rt, name, clock.wrap(f"rt.{name}", getattr(w.rt, name)))
+    for name in CLOCKED_COPIER:
+        setattr(w.copier, name, clock.wrap(f"copier.{name}", getattr(w.copier, name)))
+    for mod_name, name in CLOCKED_MODULES:
+        mod = importlib.import_module(mod_name)
+        old = getattr(mod, name)
+        restore.append((mod, name, old))
+        setattr(mod, name, clock.wrap(name, old))
+
+
 def _wait_reported(worker, job_id: int, first: list) -> None:
     """Poll until ``job_id`` is reported; ``first``: what the timed call returned."""
     results = list(first)
@@ -79,10 +162,7 @@ def _sync(device: str) -> None:
 
 def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps: int,
                    ring_mib: float, busy_ms: float, seed: int,
-                   id_upload: str = "pin_memory") -> dict:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    from ion_vllm.kv_tier.manager import IonHostSpec
+                   id_upload: str = "pin_memory", clock: HostClock | None = None) -> dict:
     from ion_vllm.kv_tier.worker import IonKVTierWorker
 
     nblocks = canonical.tensors[0].tensor.shape[0]
@@ -92,6 +172,31 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
     n_host = max(sizes) * 4
     w = IonKVTierWorker(canonical, num_host_blocks=n_host, ring_bytes=int(ring_mib * (1 << 20)),
                         log_interval_s=0, issue_at=issue_at, id_upload=id_upload)
+    restore: list = []
+    if clock is not None:
+        clock_worker(w, clock, restore)
+    try:
+        return _rounds(w, canonical, device, issue_at, id_upload, sizes, reps, busy_ms, seed,
+                       n_host, clock)
+    finally:
+        for mod, name, old in restore:
+            setattr(mod, name, old)
+
+
+def _clock_on(clock: HostClock | None, on: bool, tag: str | None = None) -> None:
+    """Keep (``on``) the next entry-point records of ``clock`` under ``tag``, or none."""
+    if clock is not None:
+        clock.recording, clock.tag = on, tag
+
+
+def _rounds(w, canonical, device, issue_at, id_upload, sizes, reps, busy_ms, seed, n_host,
+            clock):
+    """The timed store/load rounds of ``measure_worker`` (every block checked)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from ion_vllm.kv_tier.manager import IonHostSpec
+
+    nblocks = canonical.tensors[0].tensor.shape[0]
     rows = [c.tensor for c in canonical.tensors]
     rng = np.random.default_rng(seed)
     spec = lambda ids: GPULoadStoreSpec(ids, [len(ids)], [0])  # noqa: E731
@@ -110,11 +215,14 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
             _sync(device)
             job += 1
             _busy(device, busy_ms)
+            _clock_on(clock, bool(r), "submit_store")
             t0 = time.perf_counter()
             w.submit_store(job, spec(src), IonHostSpec(host))
             t1 = time.perf_counter()
+            _clock_on(clock, bool(r), "get_finished after store")
             got = w.get_finished()
             t2 = time.perf_counter()
+            _clock_on(clock, False)
             _sync(device)
             _wait_reported(w, job, got)
             _sync(device)
@@ -124,11 +232,14 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
                            for t, c, x in zip(rows, canonical.tensors, hb))
             job += 1
             _busy(device, busy_ms)
+            _clock_on(clock, bool(r), "submit_load")
             t3 = time.perf_counter()
             w.submit_load(job, IonHostSpec(host), spec(dst))
             t4 = time.perf_counter()
+            _clock_on(clock, bool(r), "get_finished after load")
             got = w.get_finished()
             t5 = time.perf_counter()
+            _clock_on(clock, False)
             _sync(device)
             _wait_reported(w, job, got)
             _sync(device)
@@ -142,8 +253,11 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
         out[str(b)] = {"submit_store": _us(t_sub), "get_finished_after_store": _us(t_fin),
                        "submit_load": _us(t_lsub), "get_finished_after_load": _us(t_lfin)}
     w.shutdown()
-    return {"issue_at": issue_at, "id_upload": id_upload, "by_blocks": out, "bad_blocks": bad,
-            "ring_slots": w.ring.num_slots}
+    res = {"issue_at": issue_at, "id_upload": id_upload, "by_blocks": out, "bad_blocks": bad,
+           "ring_slots": w.ring.num_slots}
+    if clock is not None:
+        res["breakdown"] = clock.summary()
+    return res
 
 
 def measure_parts(canonical, reps: int) -> tuple[dict, dict]:
@@ -237,6 +351,13 @@ def run(args) -> dict:
                                                      args.seed + 1, id_upload))
         if device == "cuda":
             res["parts"], res["staged_uploads"] = measure_parts(canonical, args.reps * 5)
+        if args.breakdown:
+            res["breakdowns"] = []
+            for id_upload in args.id_upload.split(","):
+                for issue_at in args.issue_at.split(","):
+                    res["breakdowns"].append(measure_worker(
+                        canonical, device, issue_at, [args.breakdown], args.reps,
+                        args.ring_mib, args.busy_ms, args.seed + 2, id_upload, HostClock()))
     return res
 
 
@@ -270,6 +391,15 @@ def table(res: dict) -> list[str]:
         su = res["staged_uploads"]
         lines.append(f"\nstaged id uploads: {su['staged']}, fell back to pin_memory: "
                      f"{su['fallbacks']}")
+    for wr in res.get("breakdowns", []):
+        b = next(iter(wr["by_blocks"]))
+        lines += ["", f"In-flow breakdown, issue_at={wr['issue_at']}, id upload "
+                  f"{wr['id_upload']}, jobs of {b} blocks: median exclusive host us per call "
+                  "of each wrapped part (the entry point's own name: its own code)", "",
+                  "| entry point | calls | total | parts |", "|---|---|---|---|"]
+        for entry, d in wr["breakdown"].items():
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in d["parts"].items() if v >= 0.5)
+            lines.append(f"| {entry} | {d['calls']} | {d['total_us']:.0f} | {parts} |")
     return lines
 
 
@@ -281,6 +411,8 @@ def parse_args(argv=None):
                         "take the same path)")
     p.add_argument("--blocks", default="1,4,16", help="store job sizes, in blocks")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--breakdown", type=int, default=4,
+                   help="job size (blocks) of the in-flow breakdown pass; 0: no such pass")
     p.add_argument("--busy-ms", type=float, default=3.0)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -304,7 +436,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "host_cost.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 1 if any(w["bad_blocks"] for w in res["workers"]) else 0
+    return 1 if any(w["bad_blocks"] for w in res["workers"] + res.get("breakdowns", [])) else 0
 
 
 if __name__ == "__main__":

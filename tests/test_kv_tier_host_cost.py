@@ -4,6 +4,8 @@ copy is wrong (the GPU numbers come from the same code on CUDA)."""
 
 import json
 
+import pytest
+
 from script_loader import load_script
 
 H = load_script("kv_tier_host_cost.py", "kv_tier_host_cost")
@@ -50,3 +52,58 @@ def test_unknown_issue_point_is_refused():
         H.main(TINY + ["--issue-at", "later"])
     with pytest.raises(SystemExit, match="id upload"):
         H.main(TINY + ["--id-upload", "mmap"])
+
+
+def test_breakdown_splits_each_entry_point_into_its_parts(tmp_path):
+    from ion_vllm.kv_tier import page_gather
+    from ion_vllm.kv_tier import worker as W
+
+    before = (page_gather._device_ids, W._flatten)
+    rc = H.main(TINY + ["--breakdown", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    assert (page_gather._device_ids, W._flatten) == before  # module functions restored
+    res = json.loads((tmp_path / "host_cost.json").read_text())
+    bd = {(w["id_upload"], w["issue_at"]): w for w in res["breakdowns"]}
+    assert set(bd) == {("pin_memory", "submit"), ("pin_memory", "finish"),
+                       ("staged", "submit"), ("staged", "finish")}
+    for w in bd.values():
+        assert w["bad_blocks"] == 0 and set(w["by_blocks"]) == {"3"}
+        for entry, d in w["breakdown"].items():
+            assert d["calls"] == 3  # the timed rounds only, not the warm-up or the polls
+            assert d["total_us"] >= max(d["parts"].values()) > 0
+    sub, fin = bd[("pin_memory", "submit")]["breakdown"], bd[("pin_memory", "finish")]["breakdown"]
+    assert set(sub) == set(fin) == {"submit_store", "get_finished after store", "submit_load",
+                                    "get_finished after load"}
+    # the copies run inside submit_store under "submit", inside the next get_finished
+    # under "finish"
+    for part in ("ring_gather", "copier.drain", "_issue_ring_piece"):
+        assert part in sub["submit_store"]["parts"]
+        assert part not in fin["submit_store"]["parts"]
+        assert part in fin["get_finished after store"]["parts"]
+    assert "load_to_gpu" in sub["submit_load"]["parts"]
+    assert "load_to_gpu" in fin["get_finished after load"]["parts"]
+    md = (tmp_path / "host_cost.md").read_text()
+    assert "In-flow breakdown, issue_at=finish, id upload staged, jobs of 3 blocks" in md
+
+
+def test_host_clock_counts_exclusive_time_per_entry_point():
+    import time
+
+    clock = H.HostClock()
+    inner = clock.wrap("inner", lambda: time.sleep(0.03))
+
+    def outer_fn():
+        time.sleep(0.02)
+        inner()
+
+    outer = clock.wrap("outer", outer_fn)
+    outer()
+    inner()  # called alone: an entry point of its own
+    clock.recording = False
+    outer()  # timed, not kept
+    s = clock.summary()
+    assert s["outer"]["calls"] == 1 and s["inner"]["calls"] == 1
+    o = s["outer"]["parts"]
+    assert 0.018e6 <= o["outer"] < 0.028e6 and 0.028e6 <= o["inner"] < 0.045e6
+    assert s["outer"]["total_us"] == pytest.approx(o["outer"] + o["inner"])
+    assert set(s["inner"]["parts"]) == {"inner"}
