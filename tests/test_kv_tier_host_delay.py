@@ -6,23 +6,13 @@ import time
 
 import pytest
 
-from ion_vllm.kv_tier.runtime import SimRuntime
-from ion_vllm.kv_tier.testing import KVModel
-from ion_vllm.kv_tier.worker import IonKVTierWorker
-
-from test_kv_tier_issue import _load, _store, _until_done
+from test_kv_tier_issue import _load, _rig as issue_rig, _store, _until_done
 
 DELAY_US = 20_000  # large against the CPU worker's own cost, so the bounds are robust
 
 
 def _rig(at, us=DELAY_US):
-    kvm = KVModel("ion", 16, seed=3)
-    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
-    rt = SimRuntime(eager=False)
-    w = IonKVTierWorker(kvm.canonical, num_host_blocks=8, ring_bytes=4 * slot, runtime=rt,
-                        copier="torch", pin_memory=False, log_interval_s=0,
-                        host_delay_us=us, host_delay_at=at)
-    return kvm, rt, w
+    return issue_rig("submit", seed=3, host_delay_us=us, host_delay_at=at)
 
 
 def _fill(kvm, blocks):
@@ -86,20 +76,8 @@ def test_off_by_default_and_bad_values_refused():
 
 
 def test_spec_keys_reach_the_worker():
-    import torch
-    from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,
-                                         CanonicalKVCacheTensor)
-
     from ion_vllm.kv_tier.spec import IonKVTierSpec
-    from test_kv_tier_spec import _cfg
-
-    def worker_of(extra):
-        s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, **extra}, block_bytes=1 << 10))
-        t = torch.zeros((4, 1 << 10), dtype=torch.int8)
-        ref = CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=1 << 10)
-        return s.get_worker(CanonicalKVCaches(
-            tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=1 << 10)],
-            group_data_refs=[[ref]]))
+    from test_kv_tier_spec import _cfg, worker_of
 
     w = worker_of({"host_delay_us": 500, "host_delay_at": "finish"})
     assert w._host_delay_s == pytest.approx(500e-6) and w.host_delay_at == "finish"

@@ -11,13 +11,13 @@ from ion_vllm.kv_tier.testing import KVModel
 from ion_vllm.kv_tier.worker import IonKVTierWorker
 
 
-def _rig(issue_at, ring_slots=4, seed=0):
+def _rig(issue_at, ring_slots=4, seed=0, **worker_kw):
     kvm = KVModel("ion", 16, seed=seed)
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
     rt = SimRuntime(eager=False)
     w = IonKVTierWorker(kvm.canonical, num_host_blocks=8, ring_bytes=ring_slots * slot,
                         runtime=rt, copier="torch", pin_memory=False, log_interval_s=0,
-                        issue_at=issue_at)
+                        issue_at=issue_at, **worker_kw)
     return kvm, rt, w
 
 

@@ -176,19 +176,23 @@ def test_default_writeback_window_covers_several_prefill_steps():
     assert s3.max_inflight_blocks == 64
 
 
-def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
+def worker_of(extra):
+    """The CPU worker a spec with kv_connector_extra_config ``extra`` builds (1 KiB blocks)."""
     import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
     from ion_vllm.kv_tier.spec import IonKVTierSpec
 
-    def worker_of(extra):
-        s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, **extra}, block_bytes=1 << 10))
-        t = torch.zeros((4, 1 << 10), dtype=torch.int8)
-        kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=1 << 10)],
-                               group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
-                                                                     page_size_bytes=1 << 10)]])
-        return s.get_worker(kv)
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, **extra}, block_bytes=1 << 10))
+    t = torch.zeros((4, 1 << 10), dtype=torch.int8)
+    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=1 << 10)],
+                           group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
+                                                                 page_size_bytes=1 << 10)]])
+    return s.get_worker(kv)
+
+
+def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
 
     assert worker_of({}).overflow == "direct"  # the default: never idle PCIe behind a full ring
     assert worker_of({"ring_overflow": "defer"}).overflow == "defer"
