@@ -24,7 +24,10 @@ path whichever issue point is the default), `ion-staged` (id_upload=staged: the 
 kernels' block ids through a persistent pinned buffer, not a pinned tensor per launch),
 `ion-finish-staged` (both), `ion-delay-submit` / `ion-delay-finish` (a test-only probe:
 2 ms of extra host time per store job, in `submit_store` or in the next `get_finished`, to
-measure how much of the engine loop's host time reaches the wall time).
+measure how much of the engine loop's host time reaches the wall time), `ion-raw` /
+`ion-torch` (issue_api: the copies issued through explicit stream handles, compiled Triton
+launchers and cudaMemcpyAsync, or through PyTorch and Triton's front ends; named
+explicitly so that each stays that path whichever is the default).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -84,6 +87,8 @@ ION_CONFIGS = {
     "ion-finish-staged": {"issue_at": "finish", "id_upload": "staged"},
     "ion-delay-submit": {"host_delay_us": 2000, "host_delay_at": "submit"},
     "ion-delay-finish": {"host_delay_us": 2000, "host_delay_at": "finish"},
+    "ion-raw": {"issue_api": "raw"},
+    "ion-torch": {"issue_api": "torch"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

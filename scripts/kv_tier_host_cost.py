@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kv_tier_copy_bench import host_block, make_caches  # noqa: E402  (same directory)
 
-from ion_vllm.kv_tier.staging_ring import ID_UPLOADS, ISSUE_POINTS  # noqa: E402
+from ion_vllm.kv_tier.staging_ring import ID_UPLOADS, ISSUE_APIS, ISSUE_POINTS  # noqa: E402
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -118,9 +118,12 @@ CLOCKED_WORKER = ("submit_store", "submit_load", "get_finished", "_issue_submitt
                   "_issue_store", "_pump", "_issue_ring_piece", "_issue_spill",
                   "_issue_direct", "_issue_load", "_after_compute", "_after_pending_writes",
                   "_host_written", "_nbytes", "ring_gather", "load_to_gpu")
-CLOCKED_RUNTIME = ("launch", "record", "wait_event", "wait_current", "mark_current",
-                   "wait_mark", "query", "elapsed")
+CLOCKED_RUNTIME = ("launch", "launch_on", "record", "wait_event", "wait_current",
+                   "mark_current", "wait_mark", "query", "elapsed")
 CLOCKED_COPIER = ("drain", "to_host")
+#: issue_api="raw": the worker's lean-path objects and their methods
+CLOCKED_RAW = (("_raw_gather", "launch_on"), ("_raw_load", "launch_on"),
+               ("_raw_ids", "put"), ("_ptr_copy", "copy"))
 CLOCKED_MODULES = (("ion_vllm.kv_tier.worker", "_flatten"),
                    ("ion_vllm.kv_tier.page_gather", "_device_ids"))
 
@@ -137,6 +140,12 @@ def clock_worker(w, clock: HostClock, restore: list) -> None:
         setattr(w.rt, name, clock.wrap(f"rt.{name}", getattr(w.rt, name)))
     for name in CLOCKED_COPIER:
         setattr(w.copier, name, clock.wrap(f"copier.{name}", getattr(w.copier, name)))
+    for attr, name in CLOCKED_RAW:
+        obj = getattr(w, attr, None)
+        if obj is not None:
+            setattr(obj, name, clock.wrap(f"{attr.lstrip('_')}.{name}", getattr(obj, name)))
+    if getattr(w, "_ptr_drain", None) is not None:
+        w._ptr_drain = clock.wrap("ptr_drain", w._ptr_drain)
     for mod_name, name in CLOCKED_MODULES:
         mod = importlib.import_module(mod_name)
         old = getattr(mod, name)
@@ -162,7 +171,8 @@ def _sync(device: str) -> None:
 
 def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps: int,
                    ring_mib: float, busy_ms: float, seed: int,
-                   id_upload: str = "pin_memory", clock: HostClock | None = None) -> dict:
+                   id_upload: str = "pin_memory", clock: HostClock | None = None,
+                   issue_api: str = "torch") -> dict:
     from ion_vllm.kv_tier.worker import IonKVTierWorker
 
     nblocks = canonical.tensors[0].tensor.shape[0]
@@ -171,13 +181,16 @@ def measure_worker(canonical, device: str, issue_at: str, sizes: list[int], reps
         raise ValueError(f"{nblocks} GPU blocks are too few for jobs of {max(sizes)}")
     n_host = max(sizes) * 4
     w = IonKVTierWorker(canonical, num_host_blocks=n_host, ring_bytes=int(ring_mib * (1 << 20)),
-                        log_interval_s=0, issue_at=issue_at, id_upload=id_upload)
+                        log_interval_s=0, issue_at=issue_at, id_upload=id_upload,
+                        issue_api=issue_api)
     restore: list = []
     if clock is not None:
         clock_worker(w, clock, restore)
     try:
-        return _rounds(w, canonical, device, issue_at, id_upload, sizes, reps, busy_ms, seed,
-                       n_host, clock)
+        res = _rounds(w, canonical, device, issue_at, id_upload, sizes, reps, busy_ms, seed,
+                      n_host, clock)
+        res["issue_api"] = issue_api
+        return res
     finally:
         for mod, name, old in restore:
             setattr(mod, name, old)
@@ -311,6 +324,28 @@ def measure_parts(canonical, reps: int) -> tuple[dict, dict]:
         "load_launch_4": timed(lambda: w.rt.launch(
             w._load, lambda: w.load_to_gpu(w.host, 0, host4, gpu4))),
     }
+    # the same operations on the raw issue path (issue_api="raw")
+    wr = IonKVTierWorker(canonical, num_host_blocks=8, ring_bytes=64 << 20, log_interval_s=0,
+                         issue_api="raw")
+    sr = wr._d2d
+
+    def stage_put(ids):
+        wr._raw_ids.put(ids, sr)
+        ev = torch.cuda.Event()
+        ev.record(sr)
+        wr._raw_ids.hold(ev)
+
+    parts.update({
+        "raw_stream_switch": timed(lambda: wr.rt.launch(sr, lambda: None)),
+        "raw_id_stage_4": timed(lambda: stage_put(ids4)),
+        "raw_gather_launch_4": timed(lambda: wr.rt.launch_on(
+            sr, lambda st: wr._raw_gather.launch_on(st, 0, 0, ids4))),
+        "raw_drain_copy_1": timed(lambda: wr.rt.launch_on(
+            wr._drain, lambda st: wr._ptr_drain(0, [2], st))),
+        "raw_load_launch_4": timed(lambda: wr.rt.launch_on(
+            wr._load, lambda st: wr._raw_load.launch_on(st, 0, host4, gpu4))),
+    })
+    wr.shutdown()
     w.shutdown()
     return parts, {"staged": up.staged, "fallbacks": up.fallbacks}
 
@@ -340,25 +375,38 @@ def run(args) -> dict:
                  "args": vars(args), "busy_cycles_per_s": res_hz, "workers": []}
     ctx = torch.cuda.stream(compute) if compute is not None else _nullctx()
     with ctx:  # the "forward pass" runs on a non-default stream, as vLLM's may
-        for id_upload in args.id_upload.split(","):
-            if id_upload not in ID_UPLOADS:
-                raise SystemExit(f"unknown id upload {id_upload!r}")
-            for issue_at in args.issue_at.split(","):
-                if issue_at not in ISSUE_POINTS:
-                    raise SystemExit(f"unknown issue point {issue_at!r}")
-                res["workers"].append(measure_worker(canonical, device, issue_at, sizes,
-                                                     args.reps, args.ring_mib, args.busy_ms,
-                                                     args.seed + 1, id_upload))
+        for api, id_upload, issue_at in worker_configs(args):
+            res["workers"].append(measure_worker(canonical, device, issue_at, sizes,
+                                                 args.reps, args.ring_mib, args.busy_ms,
+                                                 args.seed + 1, id_upload,
+                                                 issue_api=api))
         if device == "cuda":
             res["parts"], res["staged_uploads"] = measure_parts(canonical, args.reps * 5)
         if args.breakdown:
             res["breakdowns"] = []
-            for id_upload in args.id_upload.split(","):
-                for issue_at in args.issue_at.split(","):
-                    res["breakdowns"].append(measure_worker(
-                        canonical, device, issue_at, [args.breakdown], args.reps,
-                        args.ring_mib, args.busy_ms, args.seed + 2, id_upload, HostClock()))
+            for api, id_upload, issue_at in worker_configs(args):
+                res["breakdowns"].append(measure_worker(
+                    canonical, device, issue_at, [args.breakdown], args.reps,
+                    args.ring_mib, args.busy_ms, args.seed + 2, id_upload, HostClock(),
+                    issue_api=api))
     return res
+
+
+def worker_configs(args) -> list[tuple[str, str, str]]:
+    """(issue_api, id_upload, issue_at) of every worker measured; under "raw" the id
+    upload is the path's own (one staging buffer), so it is measured once."""
+    out = []
+    for api in args.issue_api.split(","):
+        if api not in ISSUE_APIS:
+            raise SystemExit(f"unknown issue api {api!r}")
+        for id_upload in (args.id_upload.split(",") if api == "torch" else ["-"]):
+            if id_upload != "-" and id_upload not in ID_UPLOADS:
+                raise SystemExit(f"unknown id upload {id_upload!r}")
+            for issue_at in args.issue_at.split(","):
+                if issue_at not in ISSUE_POINTS:
+                    raise SystemExit(f"unknown issue point {issue_at!r}")
+                out.append((api, id_upload if id_upload != "-" else "pin_memory", issue_at))
+    return out
 
 
 class _nullctx:
@@ -374,13 +422,14 @@ def table(res: dict) -> list[str]:
              f"blocks of {res['block_bytes'] / 2**20:.2f} MiB, {res['args']['reps']} rounds "
              f"each, compute stream kept busy ({res['args']['busy_ms']} ms kernel); "
              "median / p90 us of host time", "",
-             "| issue_at | id upload | blocks | submit_store | get_finished after | "
-             "submit_load | get_finished after | bad blocks |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| issue api | issue_at | id upload | blocks | submit_store | "
+             "get_finished after | submit_load | get_finished after | bad blocks |",
+             "|---|---|---|---|---|---|---|---|---|"]
     f = lambda d: f"{d['median_us']:.0f} / {d['p90_us']:.0f}"  # noqa: E731
     for wr in res["workers"]:
         for b, d in wr["by_blocks"].items():
-            lines.append(f"| {wr['issue_at']} | {wr['id_upload']} | {b} | "
+            up = wr["id_upload"] if wr.get("issue_api", "torch") == "torch" else "stage"
+            lines.append(f"| {wr.get('issue_api', 'torch')} | {wr['issue_at']} | {up} | {b} | "
                          f"{f(d['submit_store'])} | "
                          f"{f(d['get_finished_after_store'])} | {f(d['submit_load'])} | "
                          f"{f(d['get_finished_after_load'])} | {wr['bad_blocks']} |")
@@ -393,7 +442,8 @@ def table(res: dict) -> list[str]:
                      f"{su['fallbacks']}")
     for wr in res.get("breakdowns", []):
         b = next(iter(wr["by_blocks"]))
-        lines += ["", f"In-flow breakdown, issue_at={wr['issue_at']}, id upload "
+        lines += ["", f"In-flow breakdown, issue api {wr.get('issue_api', 'torch')}, "
+                  f"issue_at={wr['issue_at']}, id upload "
                   f"{wr['id_upload']}, jobs of {b} blocks: median exclusive host us per call "
                   "of each wrapped part (the entry point's own name: its own code)", "",
                   "| entry point | calls | total | parts |", "|---|---|---|---|"]
@@ -409,6 +459,9 @@ def parse_args(argv=None):
     p.add_argument("--id-upload", default="pin_memory,staged",
                    help="the copy kernels' id uploads to measure (CUDA; on a CPU both "
                         "take the same path)")
+    p.add_argument("--issue-api", default="torch,raw",
+                   help="the worker's issue paths to measure (raw: CUDA's lean path; on a "
+                        "CPU its drains are memmoves)")
     p.add_argument("--blocks", default="1,4,16", help="store job sizes, in blocks")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--breakdown", type=int, default=4,

@@ -18,16 +18,18 @@ def test_cpu_run_checks_every_block_and_writes_results(tmp_path):
     rc = H.main(TINY + ["--out", str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / "host_cost.json").read_text())
-    assert [(w["id_upload"], w["issue_at"]) for w in res["workers"]] == [
-        ("pin_memory", "submit"), ("pin_memory", "finish"),
-        ("staged", "submit"), ("staged", "finish")]
+    assert [(w["issue_api"], w["id_upload"], w["issue_at"]) for w in res["workers"]] == [
+        ("torch", "pin_memory", "submit"), ("torch", "pin_memory", "finish"),
+        ("torch", "staged", "submit"), ("torch", "staged", "finish"),
+        ("raw", "pin_memory", "submit"), ("raw", "pin_memory", "finish")]
     for w in res["workers"]:
         assert w["bad_blocks"] == 0
         assert set(w["by_blocks"]) == {"1", "3"}
         for d in w["by_blocks"].values():
             assert d["submit_store"]["n"] == 3 and d["submit_store"]["median_us"] > 0
     md = (tmp_path / "host_cost.md").read_text()
-    assert "| finish | staged | 3 |" in md and "parts" not in res  # no CUDA: no per-operation table
+    assert "| torch | finish | staged | 3 |" in md and "| raw | submit | stage | 1 |" in md
+    assert "parts" not in res  # no CUDA: no per-operation table
 
 
 def test_a_wrong_drain_is_counted_and_fails_the_run(tmp_path, monkeypatch):
@@ -39,8 +41,8 @@ def test_a_wrong_drain_is_counted_and_fails_the_run(tmp_path, monkeypatch):
         real(self, ring, start, host, (host_ids + 1) % host.shape[0])
 
     monkeypatch.setattr(W.TorchCopier, "drain", drain_shifted)
-    rc = H.main(TINY + ["--issue-at", "finish", "--id-upload", "staged",
-                        "--out", str(tmp_path)])
+    rc = H.main(TINY + ["--issue-at", "finish", "--id-upload", "staged", "--issue-api",
+                        "torch", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "host_cost.json").read_text())
     assert rc == 1 and res["workers"][0]["bad_blocks"] > 0
 
@@ -52,6 +54,23 @@ def test_unknown_issue_point_is_refused():
         H.main(TINY + ["--issue-at", "later"])
     with pytest.raises(SystemExit, match="id upload"):
         H.main(TINY + ["--id-upload", "mmap"])
+    with pytest.raises(SystemExit, match="issue api"):
+        H.main(TINY + ["--issue-api", "cuda"])
+
+
+def test_a_wrong_raw_drain_is_counted_and_fails_the_run(tmp_path, monkeypatch):
+    """The raw path's pointer drain, one row off: the script counts bad blocks."""
+    from ion_vllm.kv_tier import raw_issue as R
+
+    real = R.PointerDrain.__call__
+
+    def shifted(self, start, host_ids, stream):
+        real(self, start, [(h + 1) % 12 for h in host_ids], stream)
+
+    monkeypatch.setattr(R.PointerDrain, "__call__", shifted)
+    rc = H.main(TINY + ["--issue-api", "raw", "--issue-at", "submit", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "host_cost.json").read_text())
+    assert rc == 1 and res["workers"][0]["bad_blocks"] > 0
 
 
 def test_breakdown_splits_each_entry_point_into_its_parts(tmp_path):
@@ -63,9 +82,20 @@ def test_breakdown_splits_each_entry_point_into_its_parts(tmp_path):
     assert rc == 0
     assert (page_gather._device_ids, W._flatten) == before  # module functions restored
     res = json.loads((tmp_path / "host_cost.json").read_text())
-    bd = {(w["id_upload"], w["issue_at"]): w for w in res["breakdowns"]}
+    bd = {(w["id_upload"], w["issue_at"]): w for w in res["breakdowns"]
+          if w["issue_api"] == "torch"}
     assert set(bd) == {("pin_memory", "submit"), ("pin_memory", "finish"),
                        ("staged", "submit"), ("staged", "finish")}
+    raw = {w["issue_at"]: w["breakdown"] for w in res["breakdowns"] if w["issue_api"] == "raw"}
+    assert set(raw) == {"submit", "finish"}
+    # the raw path's drain: pointer copies (memmove on the CPU), inside submit_store under
+    # "submit" and inside the next get_finished under "finish"; the torch copier's drain
+    # never runs there
+    for part in ("ptr_drain", "ptr_copy.copy", "rt.launch_on"):
+        assert part in raw["submit"]["submit_store"]["parts"]
+        assert part not in raw["finish"]["submit_store"]["parts"]
+        assert part in raw["finish"]["get_finished after store"]["parts"]
+    assert all("copier.drain" not in d["parts"] for b in raw.values() for d in b.values())
     for w in bd.values():
         assert w["bad_blocks"] == 0 and set(w["by_blocks"]) == {"3"}
         for entry, d in w["breakdown"].items():
@@ -83,7 +113,8 @@ def test_breakdown_splits_each_entry_point_into_its_parts(tmp_path):
     assert "load_to_gpu" in sub["submit_load"]["parts"]
     assert "load_to_gpu" in fin["get_finished after load"]["parts"]
     md = (tmp_path / "host_cost.md").read_text()
-    assert "In-flow breakdown, issue_at=finish, id upload staged, jobs of 3 blocks" in md
+    assert ("In-flow breakdown, issue api torch, issue_at=finish, id upload staged, jobs of "
+            "3 blocks") in md
 
 
 def test_host_clock_counts_exclusive_time_per_entry_point():

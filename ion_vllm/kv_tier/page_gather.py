@@ -235,19 +235,25 @@ def _event_done(ev: Any) -> bool:
 class PageGather:
     """``gather(ring, start, group, gpu_ids)``: copy every tensor page of KV group
     ``group`` of GPU blocks ``gpu_ids`` into ring rows ``start ..`` on the current CUDA
-    stream, in one launch."""
+    stream, in one launch.  ``launch_on(stream, start, group, gpu_ids)``: the same onto
+    ``stream`` through the lean path (``raw_issue``: the kernel compiled by ``warm_up``,
+    ids through ``raw_ids``, an ``IdStage``); it needs ``warm_up()`` first."""
 
     def __init__(self, tensors: Sequence[torch.Tensor],
                  group_refs: Sequence[Sequence[tuple[int, int]]],
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
-                 ring: torch.Tensor, staged_ids: bool = True):
+                 ring: torch.Tensor, staged_ids: bool = True, raw_ids: Any = None):
         if triton is None:
             raise RuntimeError("PageGather needs Triton")
         self.ring_ptr = ring.data_ptr()
         self.device = ring.device
         self.tables, self.max_bytes = _page_tables(tensors, group_refs, placement, ring,
                                                    "PageGather", self.device)
+        self.tab_ptrs = [t.data_ptr() for t in self.tables]
+        self.chunks = [-(-b // CHUNK_BYTES) for b in self.max_bytes]
         self.upload = IdUpload(self.device, staged=staged_ids)
+        self.raw_ids = raw_ids
+        self.compiled: dict[int, Any] = {}
 
     def __call__(self, ring: torch.Tensor, start: int, group: int,
                  gpu_ids: np.ndarray) -> None:
@@ -257,11 +263,37 @@ class PageGather:
             return
         assert ring.data_ptr() == self.ring_ptr, "PageGather was built for another ring"
         ids, staged = self.upload(gpu_ids)
-        chunks = -(-self.max_bytes[group] // CHUNK_BYTES)
-        _gather_pages_kernel[(n, tab.shape[0], chunks)](
+        _gather_pages_kernel[(n, tab.shape[0], self.chunks[group])](
             ids, tab, self.ring_ptr, start, CHUNK=CHUNK_BYTES, num_warps=4)
         if staged:
             self.upload.consumed()
+
+    def warm_up(self) -> None:
+        """Compile the kernel of every KV group now (a launch that copies GPU block 0 into
+        ring row 0, which no store holds yet), then keep each compiled kernel for
+        ``launch_on``."""
+        from ion_vllm.kv_tier.raw_issue import CompiledLaunch
+
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for g, tab in enumerate(self.tables):
+            if tab.shape[0] == 0:
+                continue
+            k = _gather_pages_kernel[(1, tab.shape[0], self.chunks[g])](
+                ids, tab, self.ring_ptr, 0, CHUNK=CHUNK_BYTES, num_warps=4)
+            if k is not None:  # None: Triton's interpreter (CPU tests) compiles nothing
+                self.compiled[g] = CompiledLaunch(k)
+
+    def launch_on(self, stream: Any, start: int, group: int, gpu_ids: Any) -> None:
+        n = len(gpu_ids)
+        ntab = self.tables[group].shape[0]
+        if n == 0 or ntab == 0:
+            return
+        ids = self.raw_ids.put(gpu_ids, stream)
+        self.compiled[group]((n, ntab, self.chunks[group]), stream.cuda_stream, ids,
+                             self.tab_ptrs[group], self.ring_ptr, start, CHUNK_BYTES)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.raw_ids.hold(ev)
 
 
 class HostPageCopy:
@@ -269,13 +301,15 @@ class HostPageCopy:
     host_ids)``: copy every tensor page of KV group ``group`` between GPU blocks and
     rows of the pinned host buffer ``host``, on the current CUDA stream, by ``programs``
     persistent Triton programs that address the host buffer directly (no copy engine;
-    see the module docstring).  Same signatures as the copiers' (``worker.py``)."""
+    see the module docstring).  Same signatures as the copiers' (``worker.py``).
+    ``launch_on(stream, group, host_ids, gpu_ids, to_gpu)``: the same onto ``stream``
+    through the lean path (``raw_issue``; ids through ``raw_ids``), after ``warm_up()``."""
 
     def __init__(self, tensors: Sequence[torch.Tensor],
                  group_refs: Sequence[Sequence[tuple[int, int]]],
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
                  host: torch.Tensor, device: torch.device, programs: int = HOST_PROGRAMS,
-                 staged_ids: bool = True):
+                 staged_ids: bool = True, raw_ids: Any = None):
         if triton is None:
             raise RuntimeError("HostPageCopy needs Triton")
         if programs < 1:
@@ -285,8 +319,11 @@ class HostPageCopy:
         self.programs = programs
         self.tables, widest = _page_tables(tensors, group_refs, placement, host,
                                            "HostPageCopy", self.device)
+        self.tab_ptrs = [t.data_ptr() for t in self.tables]
         self.nchunks = [-(-w // CHUNK_BYTES) for w in widest]
         self.upload = IdUpload(self.device, staged=staged_ids)
+        self.raw_ids = raw_ids
+        self.compiled: dict[tuple[int, bool], Any] = {}
 
     def _launch(self, host: torch.Tensor, group: int, gpu_ids: np.ndarray,
                 host_ids: np.ndarray, to_gpu: bool) -> None:
@@ -311,14 +348,34 @@ class HostPageCopy:
                 host_ids: np.ndarray) -> None:
         self._launch(host, group, gpu_ids, host_ids, False)
 
+    def launch_on(self, stream: Any, group: int, host_ids: Any, gpu_ids: Any,
+                  to_gpu: bool = True) -> None:
+        n = len(gpu_ids)
+        assert n == len(host_ids)
+        ntab = self.tables[group].shape[0]
+        if n == 0 or ntab == 0:
+            return
+        ids = self.raw_ids.put(np.concatenate([gpu_ids, host_ids]), stream)
+        self.compiled[(group, to_gpu)](
+            (self.programs, 1, 1), stream.cuda_stream, ids, n, self.tab_ptrs[group], ntab,
+            self.nchunks[group], self.host_ptr, to_gpu, CHUNK_BYTES)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.raw_ids.hold(ev)
+
     def warm_up(self) -> None:
         """Compile both directions now (launches of no items: they copy nothing), not
-        inside the first forward step that loads."""
-        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        inside the first forward step that loads, and keep each compiled kernel for
+        ``launch_on``."""
+        from ion_vllm.kv_tier.raw_issue import CompiledLaunch
+
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         for g, tab in enumerate(self.tables):
             if tab.shape[0] == 0:
                 continue
             for to_gpu in (True, False):
-                _host_pages_kernel[(self.programs,)](
+                k = _host_pages_kernel[(self.programs,)](
                     ids, 0, tab, tab.shape[0], self.nchunks[g], self.host_ptr,
                     TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)
+                if k is not None:  # None: Triton's interpreter
+                    self.compiled[(g, to_gpu)] = CompiledLaunch(k)

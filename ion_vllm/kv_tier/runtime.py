@@ -20,13 +20,21 @@ import torch
 
 
 class CudaRuntime:
+    """``lean=True`` (the worker's ``issue_api="raw"``): ``launch`` switches the current
+    stream with PyTorch's two raw calls instead of a ``torch.cuda.stream`` context (which
+    also re-checks CUDA's availability and the devices each time)."""
+
     asynchronous = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, lean: bool = False):
         self.device = device
         # CUDA: numerically lower = higher priority; out-of-range values are
         # clamped by torch to the least (0) / greatest priority of the device.
         self.low_priority, self.high_priority = 0, -100
+        self.lean = lean
+        if lean:
+            self._index = torch.cuda._get_device_index(device, optional=True)
+            self.launch = self._launch_lean  # type: ignore[method-assign]
 
     def new_stream(self, high_priority: bool) -> Any:
         prio = self.high_priority if high_priority else self.low_priority
@@ -35,6 +43,22 @@ class CudaRuntime:
     def launch(self, stream: Any, fn: Callable[[], None]) -> None:
         with torch.cuda.stream(stream):
             fn()
+
+    def _launch_lean(self, stream: Any, fn: Callable[[], None]) -> None:
+        prev = torch._C._cuda_getCurrentStream(self._index)
+        torch._C._cuda_setStream(stream_id=stream.stream_id,
+                                 device_index=stream.device_index,
+                                 device_type=stream.device_type)
+        try:
+            fn()
+        finally:
+            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1],
+                                     device_type=prev[2])
+
+    def launch_on(self, stream: Any, fn: Callable[[Any], None]) -> None:
+        """``fn(stream)`` issues its own work onto ``stream`` (explicit handles: no
+        current-stream switch)."""
+        fn(stream)
 
     def record(self, stream: Any) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
@@ -108,6 +132,9 @@ class SimRuntime:
 
     def launch(self, stream: _SimStream, fn: Callable[[], None]) -> None:
         self._push(stream, ("fn", fn))
+
+    def launch_on(self, stream: _SimStream, fn: Callable[[Any], None]) -> None:
+        self._push(stream, ("fn", lambda: fn(stream)))
 
     def record(self, stream: _SimStream) -> _SimEvent:
         ev = _SimEvent()

@@ -41,6 +41,11 @@ kv_connector_extra_config keys:
   id_upload                     "pin_memory" (default) | "staged": the copy kernels'
                                 block ids reach the GPU through a pinned tensor per
                                 launch, or a persistent pinned buffer (page_gather.py)
+  issue_api                     "torch" (default) | "raw": issue the copies through
+                                PyTorch and Triton's front ends, or the same GPU work
+                                through explicit stream handles with less host time
+                                (compiled Triton launchers, cudaMemcpyAsync, persistent
+                                id buffers; raw_issue.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -60,6 +65,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_host_delay,
     check_host_layout,
     check_id_upload,
+    check_issue_api,
     check_issue_at,
     check_load_copy,
     check_overflow,
@@ -181,6 +187,7 @@ class IonKVTierSpec(OffloadingSpec):
         self.issue_at = check_issue_at(str(extra.get("issue_at", "submit")), "issue_at")
         self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
                                          "id_upload")
+        self.issue_api = check_issue_api(str(extra.get("issue_api", "torch")), "issue_api")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(
@@ -195,11 +202,11 @@ class IonKVTierSpec(OffloadingSpec):
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
             "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s, "
-            "id upload %s",
+            "id upload %s, issue api %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
-            self.load_copy, self.issue_at, self.id_upload)
+            self.load_copy, self.issue_at, self.id_upload, self.issue_api)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -234,6 +241,7 @@ class IonKVTierSpec(OffloadingSpec):
                 id_upload=self.id_upload,
                 host_delay_us=self.host_delay_us,
                 host_delay_at=self.host_delay_at,
+                issue_api=self.issue_api,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -59,6 +59,11 @@ ISSUE_POINTS = ("submit", "finish")
 #: ``"pin_memory"`` (default): a pinned host tensor from PyTorch's caching host allocator
 #: per launch; ``"staged"``: a persistent pinned buffer, no allocation per launch.
 ID_UPLOADS = ("pin_memory", "staged")
+#: How the worker issues its copies (``raw_issue.py``): ``"torch"``: through PyTorch and
+#: Triton's front ends (a stream context per launch, Triton's JIT dispatcher, a tensor
+#: copy per drain run); ``"raw"``: the same GPU work through explicit stream handles
+#: (compiled Triton launchers, ``cudaMemcpyAsync``, persistent id buffers).
+ISSUE_APIS = ("torch", "raw")
 #: Test-only host-time probe (``host_delay_us``): where the worker spends the extra host
 #: time of each store job: in ``submit_store`` (before the step's forward pass is
 #: enqueued) or in the next ``get_finished`` (after it).
@@ -108,6 +113,11 @@ def check_host_delay(us: float, at: str) -> tuple[float, str]:
 def check_id_upload(choice: str, name: str = "id_upload") -> str:
     """``choice`` if it is one of ID_UPLOADS, else a ValueError naming ``name``."""
     return _check_choice(choice, ID_UPLOADS, name)
+
+
+def check_issue_api(api: str, name: str = "issue_api") -> str:
+    """``api`` if it is one of ISSUE_APIS, else a ValueError naming ``name``."""
+    return _check_choice(api, ISSUE_APIS, name)
 
 
 def check_issue_at(point: str, name: str = "issue_at") -> str:

@@ -117,6 +117,7 @@ def run_random_ops(
     load_copy: str = "auto",
     issue_at: str = "submit",
     id_upload: str = "pin_memory",
+    issue_api: str = "torch",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -127,7 +128,8 @@ def run_random_ops(
                         runtime=rt, copier=copier, pin_memory=(device == "cuda"),
                         log_interval_s=0, overflow=overflow, completion=completion,
                         host_layout=host_layout, ring_gather=ring_gather,
-                        load_copy=load_copy, issue_at=issue_at, id_upload=id_upload)
+                        load_copy=load_copy, issue_at=issue_at, id_upload=id_upload,
+                        issue_api=issue_api)
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()

@@ -161,11 +161,13 @@ from vllm.v1.kv_offload.base import (
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
 from ion_vllm.kv_tier import page_gather
+from ion_vllm.kv_tier.raw_issue import CudaMemcpy, HostMemmove, IdStage, PointerDrain
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
     check_host_delay,
     check_host_layout,
     check_id_upload,
+    check_issue_api,
     check_issue_at,
     check_load_copy,
     check_overflow,
@@ -602,8 +604,11 @@ class IonKVTierWorker(OffloadingWorker):
         id_upload: str = "pin_memory",
         host_delay_us: float = 0.0,
         host_delay_at: str = "submit",
+        issue_api: str = "torch",
     ):
         self.overflow = check_overflow(overflow)
+        self.issue_api = check_issue_api(issue_api)
+        raw = self.issue_api == "raw"
         # test-only host-time probe (spec keys host_delay_us / host_delay_at): extra host
         # time per store job, spent in submit_store or in the next get_finished
         us, self.host_delay_at = check_host_delay(host_delay_us, host_delay_at)
@@ -631,7 +636,7 @@ class IonKVTierWorker(OffloadingWorker):
         self.device = self.tensors[0].device
         is_cuda = self.device.type == "cuda"
         self.rt = runtime if runtime is not None else (
-            CudaRuntime(self.device) if is_cuda else SimRuntime(eager=True))
+            CudaRuntime(self.device, lean=raw) if is_cuda else SimRuntime(eager=True))
         if copier == "auto":
             copier = "torch"
             if is_cuda:
@@ -661,6 +666,15 @@ class IonKVTierWorker(OffloadingWorker):
         if self.ring.num_slots == 0 and self.overflow != "direct":
             raise ValueError("Ion KV tier: a ring of no slots (ring 0 MiB) needs "
                              "overflow='direct': deferred blocks would wait forever")
+        # issue_api="raw" (raw_issue.py): drains as pointer copies on explicit streams, and
+        # the copy kernels launched through their compiled launchers with staged ids
+        self._ptr_copy = (CudaMemcpy() if is_cuda else HostMemmove()) if raw else None
+        self._raw_ids = IdStage(self.device, self._ptr_copy) if raw and is_cuda else None
+        self._ptr_drain = PointerDrain(
+            self.ring.buffer, self.host, self.host_layout, self.copier.placement,
+            self.page_bytes, self._ptr_copy) if raw else None
+        self._raw_gather: page_gather.PageGather | None = None
+        self._raw_load: page_gather.HostPageCopy | None = None
         self.ring_gather = self._ring_gather_fn(check_ring_gather(ring_gather), is_cuda)
         self.load_to_gpu = self._load_copy_fn(check_load_copy(load_copy), is_cuda)
         logger.info("Ion KV tier: ring of %d slots (%d MiB), GPU -> ring by %s, "
@@ -728,11 +742,13 @@ class IonKVTierWorker(OffloadingWorker):
         def build():
             return page_gather.PageGather(self.tensors, self.copier.group_refs,
                                           self.copier.placement, self.ring.buffer,
-                                          staged_ids=self.id_upload == "staged")
+                                          staged_ids=self.id_upload == "staged",
+                                          raw_ids=self._raw_ids)
 
         def prepare(gather):
-            for g in range(len(self.copier.group_refs)):  # compile (Triton JIT)
-                gather(self.ring.buffer, 0, g, np.zeros(1, dtype=np.int64))
+            gather.warm_up()  # compile (Triton JIT) every group's kernel now
+            if self._raw_ids is not None:
+                self._raw_gather = gather
             return gather
 
         if self.ring.num_slots == 0:
@@ -752,10 +768,13 @@ class IonKVTierWorker(OffloadingWorker):
         def build():
             return page_gather.HostPageCopy(self.tensors, self.copier.group_refs,
                                             self.copier.placement, self.host, self.device,
-                                            staged_ids=self.id_upload == "staged")
+                                            staged_ids=self.id_upload == "staged",
+                                            raw_ids=self._raw_ids)
 
         def prepare(hpc):
             hpc.warm_up()
+            if self._raw_ids is not None:
+                self._raw_load = hpc
             return hpc.to_gpu
 
         pinned = self.host.is_pinned()
@@ -895,10 +914,15 @@ class IonKVTierWorker(OffloadingWorker):
         a, b = job.next_item, job.next_item + count
         self._after_compute(self._d2d, job)
         src_start = rt.record(self._d2d)
+        raw = self._raw_gather
         for g, i0, i1 in _group_runs(job.groups, a, b):
             ids = job.gpu[i0:i1]
             s = start + (i0 - a)
-            rt.launch(self._d2d, lambda g=g, ids=ids, s=s: gather(ring, s, g, ids))
+            if raw is not None:
+                rt.launch_on(self._d2d, lambda st, g=g, ids=ids, s=s:
+                             raw.launch_on(st, s, g, ids))
+            else:
+                rt.launch(self._d2d, lambda g=g, ids=ids, s=s: gather(ring, s, g, ids))
         fp = self._launch_store_fingerprint(self._d2d, job, a, b) if self.verify else None
         read_done = rt.record(self._d2d)
         if fp is not None:
@@ -907,7 +931,11 @@ class IonKVTierWorker(OffloadingWorker):
         hids = job.host[a:b]
         self._after_pending_writes(self._drain, hids)
         ev0 = rt.record(self._drain)
-        rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
+        if self._ptr_drain is not None:
+            pdrain, hlist = self._ptr_drain, hids.tolist()
+            rt.launch_on(self._drain, lambda st: pdrain(start, hlist, st))
+        else:
+            rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
         ev1 = rt.record(self._drain)
         p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp,
                    src_start=src_start)
@@ -1037,10 +1065,15 @@ class IonKVTierWorker(OffloadingWorker):
         # no rt.wait_current(self._load): see "Load" in the module docstring
         self.stats.loads_ordered_after_drain += self._after_pending_writes(self._load, host)
         ev0 = rt.record(self._load)
+        raw = self._raw_load
         for g, i0, i1 in _group_runs(groups, 0, len(gpu)):
             hids, gids = host[i0:i1], gpu[i0:i1]
-            rt.launch(self._load, lambda g=g, hids=hids, gids=gids:
-                      to_gpu(self.host, g, hids, gids))
+            if raw is not None:
+                rt.launch_on(self._load, lambda st, g=g, hids=hids, gids=gids:
+                             raw.launch_on(st, g, hids, gids))
+            else:
+                rt.launch(self._load, lambda g=g, hids=hids, gids=gids:
+                          to_gpu(self.host, g, hids, gids))
         ev1 = rt.record(self._load)
         nbytes = self._nbytes(groups)
         ld = _LoadJob(job_id, nbytes, len(gpu), ev0, ev1)

@@ -1,0 +1,242 @@
+"""The KV tier worker's lean issue path (``issue_api="raw"``): fewer host calls per copy.
+
+Why: a store job's copies are a handful of GPU operations, but issuing them through
+PyTorch and Triton's front ends cost 0.3-0.9 ms of host time a job on the H100 (a
+``torch.cuda.stream`` context per launch, Triton's JIT dispatcher, a pinned id tensor and
+its upload per launch, a ``Tensor.copy_`` per drain run; ``scripts/kv_tier_host_cost.py``),
+and on the reuse benchmark that host time reached the engine's wall time wherever it sat
+in the engine loop (``bench/notes.md``, twenty-fourth session).  This path issues the same
+GPU work with less in between:
+
+* ``CompiledLaunch``: a Triton kernel compiled once (at worker start), then launched
+  through its compiled launcher onto an explicit stream handle: no specialization key,
+  no current-stream lookup, no pointer checks (pointers travel as ints).
+* ``IdStage``: the kernels' block ids go through a persistent pinned buffer and a
+  persistent device buffer (one raw copy of a region, no allocation or tensor per
+  launch).  A region is rewritten only after the event recorded behind the launch that
+  read it has completed (``StagingRegions``); when no region is free the ids go into
+  fresh tensors that are kept alive until that event completes.
+* ``PointerCopy``: the drain's ring -> host copies as ``cudaMemcpyAsync`` calls on an
+  explicit stream (the libcudart PyTorch itself loaded, through ctypes), one per run of
+  consecutive host rows; on a CPU (the tests' simulated streams) the same calls are
+  ``memmove``, so the address arithmetic is checked there byte for byte.
+
+The GPU work itself (kernels, copy sizes, stream order, events) is the same as on the
+``"torch"`` path, which stays selectable for A/B runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+#: cudaMemcpyKind: cudaMemcpyDefault (direction from the unified addresses)
+_CUDA_MEMCPY_DEFAULT = 4
+
+
+def _loaded_library(stem: str) -> str | None:
+    """Path of the first shared object named ``stem``* mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ")[-1]
+                if "/" in path and path.rsplit("/", 1)[-1].startswith(stem):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def load_cudart() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch uses (the one mapped into this process once CUDA
+    is initialized; else by soname).  An OSError when none can be opened."""
+    path = _loaded_library("libcudart.so")
+    names = [path] if path else []
+    major = (torch.version.cuda or "").split(".")[0]
+    if major:
+        names.append(f"libcudart.so.{major}")
+    names.append("libcudart.so")
+    err: OSError | None = None
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            err = e
+    raise OSError(f"Ion KV tier: cannot open the CUDA runtime ({names}): {err}")
+
+
+class CudaMemcpy:
+    """``copy(dst, src, nbytes, stream)``: ``cudaMemcpyAsync`` of ``nbytes`` between unified
+    addresses ``dst`` / ``src`` (ints) on ``stream`` (a ``torch.cuda.Stream``)."""
+
+    def __init__(self):
+        lib = load_cudart()
+        fn = lib.cudaMemcpyAsync
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                       ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        err = lib.cudaGetErrorString
+        err.argtypes = (ctypes.c_int,)
+        err.restype = ctypes.c_char_p
+        self._err = err
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        rc = self._fn(dst, src, nbytes, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+        if rc:
+            raise RuntimeError(f"Ion KV tier: cudaMemcpyAsync of {nbytes} B failed: "
+                               f"{self._err(rc).decode(errors='replace')} ({rc})")
+
+
+class HostMemmove:
+    """CPU stand-in for ``CudaMemcpy`` (host tensors only): the copy happens when the
+    simulated stream runs it, so ordering bugs corrupt bytes as they would on CUDA."""
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs where both ``a`` and ``b`` step by +1: (a0, b0, length)."""
+    out: list[tuple[int, int, int]] = []
+    if not a:
+        return out
+    a0, b0, n = a[0], b[0], 1
+    for x, y in zip(a[1:], b[1:]):
+        if x == a0 + n and y == b0 + n:
+            n += 1
+        else:
+            out.append((a0, b0, n))
+            a0, b0, n = x, y, 1
+    out.append((a0, b0, n))
+    return out
+
+
+class PointerDrain:
+    """The drain (ring rows -> host rows) as pointer copies: one per run of consecutive
+    ring and host rows (per run and KV tensor in the ``tensor`` host layout), issued by
+    ``copier.copy`` onto the stream it is handed.  ``placement(buf, t)`` and ``page_bytes``
+    are ``TorchCopier``'s (``worker.py``)."""
+
+    def __init__(self, ring: torch.Tensor, host: torch.Tensor, layout: str,
+                 placement: Callable[[torch.Tensor, int], tuple[int, int]],
+                 page_bytes: list[int], copier: Any):
+        self.ring_ptr, self.host_ptr = ring.data_ptr(), host.data_ptr()
+        self.copier = copier
+        if layout == "slot":  # whole rows: one region of slot_bytes per row
+            self.regions = [(0, 0, ring.stride(0), host.stride(0), ring.stride(0))]
+        else:
+            self.regions = []
+            for t, nb in enumerate(page_bytes):
+                r_off, r_stride = placement(ring, t)
+                h_off, h_stride = placement(host, t)
+                self.regions.append((r_off, h_off, r_stride, h_stride, nb))
+
+    def __call__(self, start: int, host_ids: list[int], stream: Any) -> None:
+        copy = self.copier.copy
+        for s0, h0, n in runs(list(range(start, start + len(host_ids))), host_ids):
+            for r_off, h_off, r_stride, h_stride, nb in self.regions:
+                # a run of rows is contiguous when the row stride is the region's width
+                if r_stride == nb and h_stride == nb or n == 1:
+                    copy(self.host_ptr + h_off + h0 * h_stride,
+                         self.ring_ptr + r_off + s0 * r_stride, n * nb if n > 1 else nb,
+                         stream)
+                else:
+                    for k in range(n):
+                        copy(self.host_ptr + h_off + (h0 + k) * h_stride,
+                             self.ring_ptr + r_off + (s0 + k) * r_stride, nb, stream)
+
+
+class CompiledLaunch:
+    """A compiled Triton kernel (what ``kernel[grid](...)`` returned at warm-up), launched
+    through its compiled launcher onto an explicit stream handle.  ``args``: every
+    parameter of the kernel in order, constexprs included (the launcher skips them);
+    pointers as ints.  The caller keeps the arguments the kernel was specialized on
+    (alignment, value 1) as they were at warm-up: only ``do_not_specialize`` integers and
+    16-byte aligned pointers may change."""
+
+    def __init__(self, compiled: Any):
+        try:
+            from triton import knobs
+        except ImportError:  # pragma: no cover - Triton < 3.4
+            knobs = None
+        self._knobs = knobs
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        self.k = compiled
+        self.run = compiled.run  # loads the binary (sets .function) if not yet loaded
+        self.function = compiled.function
+        self.packed = compiled.packed_metadata
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, *args: Any) -> None:
+        k = self.k
+        hooks = self._knobs.runtime if self._knobs is not None else None
+        enter = hooks.launch_enter_hook if hooks is not None else None
+        leave = hooks.launch_exit_hook if hooks is not None else None
+        meta = k.launch_metadata(grid, stream, *args) if enter is not None else None
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.packed, meta,
+                 enter, leave, *args)
+
+
+class IdStage:
+    """int64 block ids for the copy kernels, staged through persistent buffers: ``put(ids,
+    stream)`` writes them into a region of a pinned host buffer, copies that region into
+    the same offsets of a device buffer on ``stream`` (one ``copier.copy``) and returns the
+    device address; ``hold(event)``, right after the launch that reads them (recorded on
+    the same stream), keeps both regions from being rewritten until ``event`` has
+    completed (``StagingRegions``).  When no region is free the ids go into a fresh pinned
+    tensor and device tensor instead, both kept alive until that event completes.  Regions
+    start 16-byte aligned (the kernels were compiled for aligned pointers).
+
+    The kernels could read the pinned buffer directly, but the load kernel reads each id
+    again in every iteration of its persistent loop, where a PCIe round trip apiece would
+    serialize; the one small copy costs one call."""
+
+    def __init__(self, device: torch.device, copier: Any, capacity: int = 1 << 15,
+                 done: Callable[[Any], bool] | None = None):
+        from ion_vllm.kv_tier.page_gather import StagingRegions
+
+        self.device = torch.device(device)
+        self.copier = copier
+        self.regions = StagingRegions(capacity)
+        pin = self.device.type == "cuda"
+        self.pinned = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
+        self.view = self.pinned.numpy()
+        self.buf = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self.host_base, self.dev_base = self.pinned.data_ptr(), self.buf.data_ptr()
+        self._done = done or (lambda ev: ev.query())
+        self._spare: list[tuple[Any, Any]] = []  # fallback (tensors, event) still in use
+        self._pending: Any = None
+        self.staged = self.fallbacks = 0
+
+    def put(self, ids: Any, stream: Any) -> int:
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(ids)
+        if self._spare:  # forget fallback tensors whose readers have finished
+            self._spare = [(t, ev) for t, ev in self._spare if not self._done(ev)]
+        off = self.regions.take(n + (n & 1), self._done)
+        if off is not None:
+            self.view[off:off + n] = ids
+            self._pending = None
+            self.staged += 1
+            self.copier.copy(self.dev_base + 8 * off, self.host_base + 8 * off, 8 * n, stream)
+            return self.dev_base + 8 * off
+        host = torch.from_numpy(np.array(ids, dtype=np.int64))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._pending = (host, dev)
+        self.fallbacks += 1
+        self.copier.copy(dev.data_ptr(), host.data_ptr(), 8 * n, stream)
+        return dev.data_ptr()
+
+    def hold(self, event: Any) -> None:
+        if self._pending is not None:
+            self._spare.append((self._pending, event))
+            self._pending = None
+        else:
+            self.regions.hold(event)
