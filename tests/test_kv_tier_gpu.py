@@ -180,9 +180,11 @@ def test_random_ops_cuda_raw_issue(layout, host_layout, issue_at):
 
 @pytest.mark.gpu
 def test_random_ops_cuda_raw_issue_small_id_stage():
-    """issue_api="raw" with an id stage of 24 ids, so that regions wrap around and fall
-    back to fresh tensors while launches on other streams may still read them: every
-    restored block verified."""
+    """issue_api="raw" with an id stage of 24 ids, so that regions wrap around while
+    launches on other streams may still read them, and whose completion check answers
+    "still in use" for every other region (conservative, as a slow GPU would), so that
+    puts also fall back to fresh tensors: every restored block verified.  (On the H100 a
+    stage of 24 ids alone never fell back: 1,120 puts, 0 fallbacks.)"""
     from ion_vllm.kv_tier.raw_issue import IdStage
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
@@ -193,7 +195,9 @@ def test_random_ops_cuda_raw_issue_small_id_stage():
     class SmallStage(IonKVTierWorker):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            stage = IdStage(self.device, self._ptr_copy, capacity=24)
+            flip = iter(range(10**9))
+            stage = IdStage(self.device, self._ptr_copy, capacity=24,
+                            done=lambda ev: next(flip) % 2 == 0 and ev.query())
             self._raw_gather.raw_ids = self._raw_load.raw_ids = stage
             stages.append(stage)
 
