@@ -278,7 +278,8 @@ def measure_parts(canonical, reps: int) -> tuple[dict, dict]:
     from ion_vllm.kv_tier import page_gather
     from ion_vllm.kv_tier.worker import IonKVTierWorker
 
-    w = IonKVTierWorker(canonical, num_host_blocks=8, ring_bytes=64 << 20, log_interval_s=0)
+    w = IonKVTierWorker(canonical, num_host_blocks=8, ring_bytes=64 << 20, log_interval_s=0,
+                        issue_api="torch")
     dev = torch.device("cuda")
     cur = torch.cuda.current_stream()
     s = w._d2d
@@ -459,7 +460,7 @@ def parse_args(argv=None):
     p.add_argument("--id-upload", default="pin_memory,staged",
                    help="the copy kernels' id uploads to measure (CUDA; on a CPU both "
                         "take the same path)")
-    p.add_argument("--issue-api", default="torch,raw",
+    p.add_argument("--issue-api", default="torch,raw",  # both, the older path first
                    help="the worker's issue paths to measure (raw: CUDA's lean path; on a "
                         "CPU its drains are memmoves)")
     p.add_argument("--blocks", default="1,4,16", help="store job sizes, in blocks")

@@ -17,7 +17,7 @@ def test_random_ops_cuda(copier, layout, host_layout, ring_gather):
 
     r = run_random_ops(21, 3000, layout=layout, copier=copier, device="cuda",
                        runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout,
-                       ring_gather=ring_gather)
+                       ring_gather=ring_gather, issue_api="torch")
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["d2d_blocks"] > 0  # the ring path (and its gather) ran
     assert r.worker_stats["ring_peak_slots"] <= r.worker_stats["ring_slots"]
@@ -37,7 +37,7 @@ def test_random_ops_cuda_load_paths(layout, host_layout, load_copy, issue_at):
 
     r = run_random_ops(23, 3000, layout=layout, copier="batch", device="cuda",
                        runtime=CudaRuntime(torch.device("cuda")), host_layout=host_layout,
-                       load_copy=load_copy, issue_at=issue_at)
+                       load_copy=load_copy, issue_at=issue_at, issue_api="torch")
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["loaded_blocks"] > 0
 
@@ -64,7 +64,7 @@ def test_random_ops_cuda_staged_id_uploads(issue_at):
 
     r = run_random_ops(29, 3000, device="cuda", copier="batch", worker_cls=SmallStaging,
                        runtime=CudaRuntime(torch.device("cuda")), issue_at=issue_at,
-                       id_upload="staged")
+                       id_upload="staged", issue_api="torch")
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["d2d_blocks"] > 0 and r.worker_stats["loaded_blocks"] > 0
     assert all(u.staged > 0 for u in uploads), [(u.staged, u.fallbacks) for u in uploads]
@@ -84,7 +84,7 @@ def test_store_load_roundtrip_bandwidth():
     caches = [torch.randn(nb, 2, 8, 64, 128, device="cuda").to(torch.bfloat16)
               for _ in range(layers)]
     w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=128,
-                        ring_bytes=32 << 20, log_interval_s=0)
+                        ring_bytes=32 << 20, log_interval_s=0, issue_api="torch")
     assert w.load_copy_impl == "kernel"  # "auto" on CUDA with a pinned pool
     gpu = np.random.default_rng(0).permutation(nb)[:64].tolist()
     ref = [c[gpu].clone() for c in caches]
@@ -122,7 +122,8 @@ def test_finish_store_waits_for_the_compute_work_before_submit_not_after():
     caches = [torch.zeros(nb, 2, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
               for _ in range(2)]
     w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=16,
-                        ring_bytes=8 << 20, log_interval_s=0, issue_at="finish")
+                        ring_bytes=8 << 20, log_interval_s=0, issue_at="finish",
+                        issue_api="torch")
     gpu = [3, 9, 17]
     torch.cuda._sleep(20_000_000)  # ~10 ms of compute before the blocks are written
     want = [torch.randn(len(gpu), 2, 4, 16, 128, device="cuda").to(torch.bfloat16)

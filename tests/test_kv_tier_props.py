@@ -123,7 +123,8 @@ def test_random_ops_configs(seed):
                    overflow=rng.choice(["direct", "defer"]) if ring_slots else "direct",
                    completion=rng.choice(["read", "host"]),
                    host_layout=rng.choice(["slot", "tensor"]),
-                   issue_at=rng.choice(["finish", "submit"]))
+                   issue_at=rng.choice(["finish", "submit"]),
+                   issue_api=rng.choice(["raw", "torch"]))
 
 
 def test_eager_runtime_never_defers_forever():
@@ -189,8 +190,10 @@ class _MRUManager(IonKVTierManager):
 
 
 def test_detects_corrupted_copy():
+    """(the torch copier's drain; the raw path's pointer drain has its own mutant in
+    test_kv_tier_raw_issue.py)"""
     with pytest.raises(Corruption):
-        run_random_ops(3, 3000, worker_cls=_CorruptWorker)
+        run_random_ops(3, 3000, worker_cls=_CorruptWorker, issue_api="torch")
 
 
 def test_detects_missing_flush():

@@ -177,3 +177,43 @@ def test_the_cuda_runtime_library_opens_where_torch_has_cuda():
         pytest.skip("a CPU-only PyTorch build has no CUDA runtime")
     lib = load_cudart()
     assert hasattr(lib, "cudaMemcpyAsync") and hasattr(lib, "cudaGetErrorString")
+
+
+def test_raw_without_the_runtime_library_falls_back_to_torch_and_says_so(monkeypatch, caplog):
+    """When the raw path's copy function cannot be built (no CUDA runtime library to
+    open), the worker logs it and issues through PyTorch; it still stores and restores
+    every block intact."""
+    import logging
+
+    from ion_vllm.kv_tier import worker as W
+
+    def no_library():
+        raise OSError("libcudart.so: cannot open shared object file")
+
+    monkeypatch.setattr(W, "HostMemmove", no_library)
+    seen = []
+
+    class Spy(W.IonKVTierWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen.append((self.issue_api, self._ptr_drain))
+
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
+        r = run_random_ops(5, 800, worker_cls=Spy, issue_api="raw")
+    assert seen == [("torch", None)]
+    assert "issuing through PyTorch instead" in caplog.text
+    assert r.restored_blocks > 0
+
+
+def test_a_compiled_kernel_without_a_launcher_is_left_to_the_dispatcher(caplog):
+    """A Triton whose compiled kernels lack what the compiled launcher calls: logged, no
+    launcher kept (the kernel then goes through Triton's dispatcher); nothing under the
+    interpreter (a launch returns None there)."""
+    import logging
+
+    from ion_vllm.kv_tier.page_gather import _compiled_launch
+
+    assert _compiled_launch(None, "ring gather") is None
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.page_gather"):
+        assert _compiled_launch(object(), "ring gather") is None
+    assert "ring gather" in caplog.text and "no launcher" in caplog.text

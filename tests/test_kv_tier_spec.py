@@ -225,6 +225,14 @@ def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
     assert worker_of({"id_upload": "staged"}).id_upload == "staged"
     with pytest.raises(ValueError, match="id_upload"):
         IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "id_upload": "mmap"}))
+    # issue path: explicit stream handles by default (on a CPU its drains are memmoves),
+    # PyTorch's front ends selectable
+    w = worker_of({})
+    assert w.issue_api == "raw" and w._ptr_drain is not None
+    w = worker_of({"issue_api": "torch"})
+    assert w.issue_api == "torch" and w._ptr_drain is None and w._ptr_copy is None
+    with pytest.raises(ValueError, match="issue_api"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "issue_api": "cuda"}))
     # host -> GPU loads: the copier's on CPU tensors under "auto", "kernel" refused there
     assert worker_of({}).load_copy_impl == "copier"
     assert worker_of({"load_copy": "copier"}).load_copy_impl == "copier"

@@ -37,6 +37,7 @@ per KV group.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ try:  # Triton ships with vLLM; absent only in unusual CPU-only installs
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16384  # bytes one program copies; pages are split into chunks of this
 ALIGN = 16  # every address and page size must be a multiple (checked on the host)
@@ -120,6 +123,22 @@ if triton is not None:
 
 def available() -> bool:
     return triton is not None
+
+
+def _compiled_launch(kernel: Any, what: str) -> Any:
+    """``raw_issue.CompiledLaunch`` of what a warm-up launch returned, or None: under
+    Triton's interpreter (CPU tests) a launch returns nothing, and a Triton whose compiled
+    kernels lack the attributes the launcher needs is logged and left to its dispatcher."""
+    from ion_vllm.kv_tier.raw_issue import CompiledLaunch
+
+    if kernel is None:
+        return None
+    try:
+        return CompiledLaunch(kernel)
+    except (AttributeError, TypeError) as e:
+        logger.warning("Ion KV tier: %s: Triton's compiled kernel has no launcher this "
+                       "path can call (%s)", what, e)
+        return None
 
 
 def _page_tables(tensors: Sequence[torch.Tensor],
@@ -272,16 +291,20 @@ class PageGather:
         """Compile the kernel of every KV group now (a launch that copies GPU block 0 into
         ring row 0, which no store holds yet), then keep each compiled kernel for
         ``launch_on``."""
-        from ion_vllm.kv_tier.raw_issue import CompiledLaunch
-
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         for g, tab in enumerate(self.tables):
             if tab.shape[0] == 0:
                 continue
             k = _gather_pages_kernel[(1, tab.shape[0], self.chunks[g])](
                 ids, tab, self.ring_ptr, 0, CHUNK=CHUNK_BYTES, num_warps=4)
-            if k is not None:  # None: Triton's interpreter (CPU tests) compiles nothing
-                self.compiled[g] = CompiledLaunch(k)
+            launch = _compiled_launch(k, "ring gather")
+            if launch is not None:
+                self.compiled[g] = launch
+
+    def raw_ready(self) -> bool:
+        """Whether ``launch_on`` can launch every KV group with pages (``warm_up`` kept a
+        compiled launcher for each)."""
+        return all(g in self.compiled for g, t in enumerate(self.tables) if t.shape[0])
 
     def launch_on(self, stream: Any, start: int, group: int, gpu_ids: Any) -> None:
         n = len(gpu_ids)
@@ -367,8 +390,6 @@ class HostPageCopy:
         """Compile both directions now (launches of no items: they copy nothing), not
         inside the first forward step that loads, and keep each compiled kernel for
         ``launch_on``."""
-        from ion_vllm.kv_tier.raw_issue import CompiledLaunch
-
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)
         for g, tab in enumerate(self.tables):
             if tab.shape[0] == 0:
@@ -377,5 +398,11 @@ class HostPageCopy:
                 k = _host_pages_kernel[(self.programs,)](
                     ids, 0, tab, tab.shape[0], self.nchunks[g], self.host_ptr,
                     TO_GPU=to_gpu, CHUNK=CHUNK_BYTES, num_warps=4)
-                if k is not None:  # None: Triton's interpreter
-                    self.compiled[(g, to_gpu)] = CompiledLaunch(k)
+                launch = _compiled_launch(k, "host page copy")
+                if launch is not None:
+                    self.compiled[(g, to_gpu)] = launch
+
+    def raw_ready(self) -> bool:
+        """Whether ``launch_on`` can launch every KV group with pages, both ways."""
+        return all((g, d) in self.compiled for g, t in enumerate(self.tables) if t.shape[0]
+                   for d in (True, False))

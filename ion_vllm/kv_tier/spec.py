@@ -41,11 +41,11 @@ kv_connector_extra_config keys:
   id_upload                     "pin_memory" (default) | "staged": the copy kernels'
                                 block ids reach the GPU through a pinned tensor per
                                 launch, or a persistent pinned buffer (page_gather.py)
-  issue_api                     "torch" (default) | "raw": issue the copies through
-                                PyTorch and Triton's front ends, or the same GPU work
-                                through explicit stream handles with less host time
-                                (compiled Triton launchers, cudaMemcpyAsync, persistent
-                                id buffers; raw_issue.py)
+  issue_api                     "raw" (default) | "torch": issue the copies through
+                                explicit stream handles (compiled Triton launchers,
+                                cudaMemcpyAsync, persistent id buffers; raw_issue.py),
+                                or the same GPU work through PyTorch and Triton's front
+                                ends (about 3x the host time a job)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -187,7 +187,7 @@ class IonKVTierSpec(OffloadingSpec):
         self.issue_at = check_issue_at(str(extra.get("issue_at", "submit")), "issue_at")
         self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
                                          "id_upload")
-        self.issue_api = check_issue_api(str(extra.get("issue_api", "torch")), "issue_api")
+        self.issue_api = check_issue_api(str(extra.get("issue_api", "raw")), "issue_api")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(

@@ -59,11 +59,11 @@ ISSUE_POINTS = ("submit", "finish")
 #: ``"pin_memory"`` (default): a pinned host tensor from PyTorch's caching host allocator
 #: per launch; ``"staged"``: a persistent pinned buffer, no allocation per launch.
 ID_UPLOADS = ("pin_memory", "staged")
-#: How the worker issues its copies (``raw_issue.py``): ``"torch"``: through PyTorch and
-#: Triton's front ends (a stream context per launch, Triton's JIT dispatcher, a tensor
-#: copy per drain run); ``"raw"``: the same GPU work through explicit stream handles
-#: (compiled Triton launchers, ``cudaMemcpyAsync``, persistent id buffers).
-ISSUE_APIS = ("torch", "raw")
+#: How the worker issues its copies (``raw_issue.py``): ``"raw"`` (default): through
+#: explicit stream handles (compiled Triton launchers, ``cudaMemcpyAsync``, persistent id
+#: buffers); ``"torch"``: the same GPU work through PyTorch and Triton's front ends (a
+#: stream context per launch, Triton's JIT dispatcher, a tensor copy per drain run).
+ISSUE_APIS = ("raw", "torch")
 #: Test-only host-time probe (``host_delay_us``): where the worker spends the extra host
 #: time of each store job: in ``submit_store`` (before the step's forward pass is
 #: enqueued) or in the next ``get_finished`` (after it).

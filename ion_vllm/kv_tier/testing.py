@@ -117,7 +117,7 @@ def run_random_ops(
     load_copy: str = "auto",
     issue_at: str = "submit",
     id_upload: str = "pin_memory",
-    issue_api: str = "torch",
+    issue_api: str = "raw",
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
