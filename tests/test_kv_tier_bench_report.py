@@ -117,3 +117,46 @@ def test_native_default_config_and_bars():
     assert any(x.startswith("- ion total tok/s 120 >= native-default 110: PASS") for x in lines)
     assert any(x.startswith("- native-default total tok/s 110 > recompute 50: PASS")
                for x in lines)
+
+
+def test_ttft_summary_splits_turns_and_survives_older_records(tmp_path):
+    """The mean TTFT, the p50 of the returning turns and the p50 per turn (seconds in, ms
+    out); a config whose repeats predate these fields gets "-" in the table, not an error,
+    and the bars pair the new figures only where every repeat has them."""
+    s = bench.ttft_summary([[1.0, 3.0, 5.0], [0.2, 0.4], []])
+    assert abs(s["ttft_mean_ms"] - 1920.0) < 1e-9
+    assert s["ttft_p50_warm_ms"] == bench.pct([0.2, 0.4], 50) * 1e3
+    assert s["ttft_p50_by_turn_ms"] == [3000.0, bench.pct([0.2, 0.4], 50) * 1e3, None]
+    one = bench.ttft_summary([[2.0]])
+    assert one["ttft_p50_warm_ms"] is None and one["ttft_mean_ms"] == 2000.0
+    assert bench.ttft_summary([[], []])["ttft_mean_ms"] is None
+
+    def run(cfg, seed, tok_s, extra):
+        return {"config": cfg, "seed": seed, "requests": 4, "wall_s": 2.0,
+                "ttft_p50_ms": 20.0, "ttft_p99_ms": 40.0, "output_tok_s": tok_s / 10,
+                "total_tok_s": tok_s, "prompt_tokens": 100, "output_tokens": 10,
+                "gpu_prefix_hit_rate": 0.0, "host_hit_rate": 0.4, "d2h_gbps": 50.0,
+                "h2d_gbps": 50.0, "preemptions": 0.0, "cached_frac": 0.5,
+                "cached_frac_by_turn": [0.0, 0.9], "tier_metrics": {}, **extra}
+
+    new = lambda m, w: {"ttft_mean_ms": m, "ttft_p50_warm_ms": w,  # noqa: E731
+                        "ttft_p50_by_turn_ms": [30.0, w]}
+    ion = bench.combine_repeats("ion", [run("ion", 0, 100.0, new(40.0, 10.0)),
+                                        run("ion", 1, 100.0, new(60.0, 14.0))])
+    nat = bench.combine_repeats("native-default", [run("native-default", 0, 100.0,
+                                                       new(50.0, 20.0)),
+                                                   run("native-default", 1, 100.0,
+                                                       new(50.0, 20.0))])
+    old = bench.combine_repeats("ion-torch", [run("ion-torch", 0, 99.0, {})])
+    assert ion["ttft_mean_ms"] == 50.0 and ion["ttft_p50_warm_ms"] == 12.0
+    assert old["ttft_mean_ms"] is None
+    args = SimpleNamespace(model="m", attention_backend="ION", host_gib=1.0, conversations=2,
+                           turns=2, context_len=8, user_len=1, max_tokens=1, wave=1)
+    lines = bench.write_results(str(tmp_path), {}, [ion, nat, old], args, 1 << 20, 4 << 20)
+    assert "| TTFT mean ms | TTFT p50 turns 2+ ms |" in lines[4]
+    row = next(x for x in lines if x.startswith("| ion-torch | "))
+    assert "| - | - |" in row
+    assert any(x.startswith("| ion | 1 | 20.0 | 30.0 / 14.0 |") for x in lines)
+    assert "- ion / native-default TTFT mean, paired by repeat: 1.000 ± 0.283 (2 pairs)" in lines
+    assert ("- ion / native-default TTFT p50 of turns 2+, paired by repeat: 0.600 ± 0.141 "
+            "(2 pairs)") in lines
