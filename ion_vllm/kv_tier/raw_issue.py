@@ -1,12 +1,15 @@
-"""The KV tier worker's lean issue path (``issue_api="raw"``): fewer host calls per copy.
+"""The KV tier worker's lean issue path (``issue_api="raw"``, the default): fewer host
+calls per copy.
 
 Why: a store job's copies are a handful of GPU operations, but issuing them through
 PyTorch and Triton's front ends cost 0.3-0.9 ms of host time a job on the H100 (a
 ``torch.cuda.stream`` context per launch, Triton's JIT dispatcher, a pinned id tensor and
-its upload per launch, a ``Tensor.copy_`` per drain run; ``scripts/kv_tier_host_cost.py``),
-and on the reuse benchmark that host time reached the engine's wall time wherever it sat
-in the engine loop (``bench/notes.md``, twenty-fourth session).  This path issues the same
-GPU work with less in between:
+its upload per launch, a ``Tensor.copy_`` per drain run; ``scripts/kv_tier_host_cost.py``).
+This path issues the same GPU work with less in between; on the H100 a 4-block
+``submit_store`` took 160 us of host time against 458 (twenty-fifth session).  End to end
+the saving did not show on that card: the reuse benchmark's engine loop was not
+host-bound (2 ms more host time a store job left its wall time unchanged;
+``bench/notes.md``).
 
 * ``CompiledLaunch``: a Triton kernel compiled once (at worker start), then launched
   through its compiled launcher onto an explicit stream handle: no specialization key,
@@ -16,10 +19,11 @@ GPU work with less in between:
   launch).  A region is rewritten only after the event recorded behind the launch that
   read it has completed (``StagingRegions``); when no region is free the ids go into
   fresh tensors that are kept alive until that event completes.
-* ``PointerCopy``: the drain's ring -> host copies as ``cudaMemcpyAsync`` calls on an
-  explicit stream (the libcudart PyTorch itself loaded, through ctypes), one per run of
-  consecutive host rows; on a CPU (the tests' simulated streams) the same calls are
-  ``memmove``, so the address arithmetic is checked there byte for byte.
+* ``PointerDrain`` with ``CudaMemcpy``: the drain's ring -> host copies as
+  ``cudaMemcpyAsync`` calls on an explicit stream (the libcudart PyTorch itself loaded,
+  through ctypes), one per run of consecutive host rows; on a CPU (the tests' simulated
+  streams) ``HostMemmove`` makes the same calls ``memmove``, so the address arithmetic is
+  checked there byte for byte.
 
 The GPU work itself (kernels, copy sizes, stream order, events) is the same as on the
 ``"torch"`` path, which stays selectable for A/B runs.
