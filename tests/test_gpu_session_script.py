@@ -123,7 +123,8 @@ def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path):
     (kv / "meta.json").write_text(json.dumps(
         {"args": args, "hbm_kv_pool_bytes": 1 << 20, "reuse_set_bytes": 4 << 20}))
     run = {"config": "ion", "seed": 0, "requests": 1, "wall_s": 1.0, "ttft_p50_ms": 5.0,
-           "ttft_p99_ms": 9.0, "output_tok_s": 1.0, "total_tok_s": 123.0,
+           "ttft_p99_ms": 9.0, "ttft_mean_ms": 6.0, "ttft_p50_warm_ms": None,
+           "output_tok_s": 1.0, "total_tok_s": 123.0,
            "prompt_tokens": 1, "output_tokens": 1, "host_hit_rate": 0.5,
            "preemptions": 0.0, "tier_metrics": {}}
     (kv / "repeats.jsonl").write_text(json.dumps(run) + "\n")
@@ -134,4 +135,5 @@ def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path):
     steps = (tmp_path / "o" / "steps.txt").read_text()
     assert "kvtier   rc=0" not in steps
     assert "kvtier   rebuilt from repeats.jsonl: rc=0" in steps, steps
-    assert "| ion | 5.0 | 9.0 | 1 | 123 |" in (kv / "results.md").read_text()
+    # TTFT mean, then the returning turns' p50 (none with one turn)
+    assert "| ion | 5.0 | 9.0 | 6.0 | - | 1 | 123 |" in (kv / "results.md").read_text()
