@@ -71,6 +71,27 @@ def test_random_ops_cuda_staged_id_uploads(issue_at):
     print("staged / fallbacks:", [(u.staged, u.fallbacks) for u in uploads])
 
 
+def _store_zero_until_reported(w, caches, gpu, after_submit=None):
+    """Store GPU blocks ``gpu`` into host blocks 0.. as job 1, wait until the sources may be
+    reused, zero them, and poll ``get_finished`` until it reports something; returns that
+    report.  ``after_submit``: a check asserted right after ``submit_store``."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from ion_vllm.kv_tier.manager import IonHostSpec
+
+    w.submit_store(1, GPULoadStoreSpec(gpu, [len(gpu)], [0]),
+                   IonHostSpec(list(range(len(gpu)))))
+    if after_submit is not None:
+        assert after_submit()
+    w.wait({1})
+    for c in caches:
+        c[gpu] = 0
+    done = []
+    while not done:
+        done = w.get_finished()
+    return done
+
+
 @pytest.mark.gpu
 def test_store_load_roundtrip_bandwidth():
     """64 blocks of 2 MiB (8 layers) through a 32 MiB ring and back; bytes identical."""
@@ -88,13 +109,7 @@ def test_store_load_roundtrip_bandwidth():
     assert w.load_copy_impl == "kernel"  # "auto" on CUDA with a pinned pool
     gpu = np.random.default_rng(0).permutation(nb)[:64].tolist()
     ref = [c[gpu].clone() for c in caches]
-    w.submit_store(1, GPULoadStoreSpec(gpu, [64], [0]), IonHostSpec(list(range(64))))
-    w.wait({1})
-    for c in caches:
-        c[gpu] = 0
-    done = []
-    while not done:
-        done = w.get_finished()
+    done = _store_zero_until_reported(w, caches, gpu)
     assert done[0].job_id == 1
     w.submit_load(2, IonHostSpec(list(range(64))), GPULoadStoreSpec(gpu, [64], [0]))
     w.wait({2})
@@ -231,14 +246,8 @@ def test_raw_issue_roundtrip_through_the_engine_default_runtime():
         assert w.rt.lean and w._raw_gather is not None and w._raw_load is not None
         gpu = np.random.default_rng(1).permutation(nb)[:64].tolist()
         ref = [c[gpu].clone() for c in caches]
-        w.submit_store(1, GPULoadStoreSpec(gpu, [64], [0]), IonHostSpec(list(range(64))))
-        assert torch.cuda.current_stream() == side
-        w.wait({1})
-        for c in caches:
-            c[gpu] = 0
-        done = []
-        while not done:
-            done = w.get_finished()
+        _store_zero_until_reported(
+            w, caches, gpu, after_submit=lambda: torch.cuda.current_stream() == side)
         w.submit_load(2, IonHostSpec(list(range(64))), GPULoadStoreSpec(gpu, [64], [0]))
         w.wait({2})
         assert torch.cuda.current_stream() == side

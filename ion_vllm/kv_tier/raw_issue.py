@@ -147,8 +147,7 @@ class PointerDrain:
                 # a run of rows is contiguous when the row stride is the region's width
                 if r_stride == nb and h_stride == nb or n == 1:
                     copy(self.host_ptr + h_off + h0 * h_stride,
-                         self.ring_ptr + r_off + s0 * r_stride, n * nb if n > 1 else nb,
-                         stream)
+                         self.ring_ptr + r_off + s0 * r_stride, n * nb, stream)
                 else:
                     for k in range(n):
                         copy(self.host_ptr + h_off + (h0 + k) * h_stride,

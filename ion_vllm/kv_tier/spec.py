@@ -46,6 +46,10 @@ kv_connector_extra_config keys:
                                 cudaMemcpyAsync, persistent id buffers; raw_issue.py),
                                 or the same GPU work through PyTorch and Triton's front
                                 ends (about 3x the host time a job)
+  host_delay_us, host_delay_at  test-only (default 0, "submit"): extra busy host time
+                                per store job, in submit_store or in the next
+                                get_finished; a probe of what the tier's host time
+                                costs the engine, never for serving (worker.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the

@@ -950,10 +950,11 @@ class IonKVTierWorker(OffloadingWorker):
             fp.event = read_done
         rt.wait_event(self._drain, read_done)
         hids = job.host[a:b]
+        hlist = hids.tolist()
         self._after_pending_writes(self._drain, hids)
         ev0 = rt.record(self._drain)
         if self._ptr_drain is not None:
-            pdrain, hlist = self._ptr_drain, hids.tolist()
+            pdrain = self._ptr_drain
             rt.launch_on(self._drain, lambda st: pdrain(start, hlist, st))
         else:
             rt.launch(self._drain, lambda: cp.drain(ring, start, self.host, hids))
@@ -963,7 +964,7 @@ class IonKVTierWorker(OffloadingWorker):
         job.pieces.append(p)
         job.next_item = b
         self._ring_pieces.append(p)
-        for h in hids.tolist():
+        for h in hlist:
             self._host_pending[h] = ev1
         self.stats.d2d_blocks += count
         self.stats.d2d_bytes += count * self.slot_bytes
