@@ -27,6 +27,7 @@
 #           2 repeats, interleaved A/B
 #   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
 #           then, once all are up, measure one at a time, repeats interleaved)
+#   kvtier2 a second kvtier run (KVTIER2_CONFIGS, KVTIER2_REPEATS, KVTIER2_S, KVTIER2_ARGS)
 #   share   scripts/attention_share.py on the seed workload (SHARE_BACKENDS, default ION vs
 #           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each;
 #           SHARE_ARGS extra flags, e.g. the skewed workload: "--input-len 4096
@@ -99,8 +100,8 @@ step() {  # step NAME SECONDS CMD...
 # serves it and it is missing.
 need_vllm=0
 need_cute=0
-for s in kvgpu hostcost copy preempt e2e kvtier share agree; do want "$s" && need_vllm=1; done
-for s in kbench kval e2e kvtier share agree; do want "$s" && need_cute=1; done
+for s in kvgpu hostcost copy preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
+for s in kbench kval e2e kvtier kvtier2 share agree; do want "$s" && need_cute=1; done
 missing=
 [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
 [ "$need_cute" = 1 ] && ! python3 -c "import cutlass" > /dev/null 2>&1 && missing="$missing cutlass"
@@ -109,7 +110,7 @@ if [ -n "$missing" ]; then
   mark all done
   exit 3
 fi
-if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] && { want e2e || want kvtier || want share; }; then
+if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] && { want e2e || want kvtier || want kvtier2 || want share; }; then
   step model 120 python3 scripts/make_demo_model.py "$model"
 fi
 # the tiny real-weight model of preempt / agree (a bare host has none: the twenty-first
@@ -155,17 +156,30 @@ if want e2e; then
     --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
 fi
 [ -n "$kval_pid" ] && wait "$kval_pid"
-if want kvtier; then
-  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
-    --repeats "${KVTIER_REPEATS:-3}" \
-    --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" ${KVTIER_ARGS:-} --out "$out/kvtier"
-  # cut short (step limit): results of the repeats that finished (a second or two, so it
-  # runs outside the deadline's margin)
-  if ! grep -q "kvtier   rc=0" "$out/steps.txt" && [ -s "$out/kvtier/repeats.jsonl" ]; then
-    timeout 30 python3 scripts/kv_tier_bench.py --from-repeats "$out/kvtier" \
-      > "$out/kvtier-rebuild.log" 2>&1
-    mark kvtier "rebuilt from repeats.jsonl: rc=$?"
+# kvtier_step NAME LIMIT_S REPEATS CONFIGS ARGS: one kv_tier_bench.py run into OUT/NAME; when
+# cut short (step limit), the results of the repeats that finished (a second or two, so it
+# runs outside the deadline's margin)
+kvtier_step() {
+  local name=$1 secs=$2 reps=$3 configs=$4 args=$5
+  # shellcheck disable=SC2086  # ARGS is a list of flags
+  step "$name" "$secs" python3 scripts/kv_tier_bench.py "$model" --colocate \
+    --repeats "$reps" --configs "$configs" $args --out "$out/$name"
+  if ! grep -q "$(printf '%-8s' "$name") rc=0" "$out/steps.txt" \
+      && [ -s "$out/$name/repeats.jsonl" ]; then
+    timeout 30 python3 scripts/kv_tier_bench.py --from-repeats "$out/$name" \
+      > "$out/$name-rebuild.log" 2>&1
+    mark "$name" "rebuilt from repeats.jsonl: rc=$?"
   fi
+}
+if want kvtier; then
+  kvtier_step kvtier "${KVTIER_S:-720}" "${KVTIER_REPEATS:-3}" \
+    "${KVTIER_CONFIGS:-ion,ion-defer,native}" "${KVTIER_ARGS:-}"
+fi
+# kvtier2: a second kv_tier_bench.py run after the first (its own engines), for a lease
+# that A/Bs more configs than fit the GPU at once
+if want kvtier2; then
+  kvtier_step kvtier2 "${KVTIER2_S:-720}" "${KVTIER2_REPEATS:-3}" \
+    "${KVTIER2_CONFIGS:-ion,native-default}" "${KVTIER2_ARGS:-}"
 fi
 if want share; then
   step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \

@@ -27,7 +27,12 @@ kernels' block ids through a persistent pinned buffer, not a pinned tensor per l
 measure how much of the engine loop's host time reaches the wall time), `ion-raw` /
 `ion-torch` (issue_api: the copies issued through explicit stream handles, compiled Triton
 launchers and cudaMemcpyAsync, or through PyTorch and Triton's front ends; named
-explicitly so that each stays that path whichever is the default).
+explicitly so that each stays that path whichever is the default), and the ring path's
+shape, the suspects of Ion's turn-1 cost (twenty-sixth session): `ion-chunkdrain`
+(drain_chunk_kib=128: the ring drain as copies of at most 128 KiB, the size of the
+direct path's page copies), `ion-gather-normal` (gather_priority=normal: the GPU -> ring
+gather at the compute stream's priority) and `ion-ringsmall` (ring_max_job_blocks=4: bulk
+prompt stores copied GPU -> host directly, the ring kept for jobs of up to 4 blocks).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -90,6 +95,9 @@ ION_CONFIGS = {
     "ion-delay-finish": {"host_delay_us": 2000, "host_delay_at": "finish"},
     "ion-raw": {"issue_api": "raw"},
     "ion-torch": {"issue_api": "torch"},
+    "ion-chunkdrain": {"drain_chunk_kib": 128},
+    "ion-gather-normal": {"gather_priority": "normal"},
+    "ion-ringsmall": {"ring_max_job_blocks": 4},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

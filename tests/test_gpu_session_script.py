@@ -107,16 +107,18 @@ def test_deadline_cuts_step_limits_and_skips_what_cannot_fit(tmp_path):
     assert "kvtier   start" not in steps and not (out2 / "kvtier.log").exists()
 
 
-def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path):
-    """When the kvtier step does not end with rc=0 and repeats.jsonl holds finished
-    repeats, the chain writes results.md from them (kv_tier_bench.py --from-repeats)."""
+@pytest.mark.parametrize("name", ["kvtier", "kvtier2"])
+def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path, name):
+    """When a kvtier step (the first or the second run) does not end with rc=0 and its
+    repeats.jsonl holds finished repeats, the chain writes results.md from them
+    (kv_tier_bench.py --from-repeats)."""
     import json
 
     pytest.importorskip("vllm")
     pytest.importorskip("cutlass")
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "config.json").write_text("{}")  # the kvtier step fails at once
-    kv = tmp_path / "o" / "kvtier"
+    kv = tmp_path / "o" / name
     kv.mkdir(parents=True)
     args = dict(model="m", attention_backend="ION", host_gib=1.0, conversations=2, turns=1,
                 context_len=8, user_len=1, max_tokens=1, wave=1)
@@ -128,12 +130,14 @@ def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path):
            "prompt_tokens": 1, "output_tokens": 1, "host_hit_rate": 0.5,
            "preemptions": 0.0, "tier_metrics": {}}
     (kv / "repeats.jsonl").write_text(json.dumps(run) + "\n")
-    env = _env(tmp_path, SESSION_STEPS="kvtier", KVTIER_S="120", KVTIER_CONFIGS="ion")
+    var = name.upper()
+    env = _env(tmp_path, SESSION_STEPS=name, **{f"{var}_S": "120", f"{var}_CONFIGS": "ion"})
     r = subprocess.run(["bash", SCRIPT, str(tmp_path / "o")], capture_output=True, text=True,
                        env=env, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     steps = (tmp_path / "o" / "steps.txt").read_text()
-    assert "kvtier   rc=0" not in steps
-    assert "kvtier   rebuilt from repeats.jsonl: rc=0" in steps, steps
+    tag = f"{name:<8s}"
+    assert f"{tag} start" in steps and f"{tag} rc=0" not in steps, steps
+    assert f"{tag} rebuilt from repeats.jsonl: rc=0" in steps, steps
     # TTFT mean, then the returning turns' p50 (none with one turn)
     assert "| ion | 5.0 | 9.0 | 6.0 | - | 1 | 123 |" in (kv / "results.md").read_text()

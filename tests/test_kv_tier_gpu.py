@@ -195,6 +195,26 @@ def test_random_ops_cuda_raw_issue(layout, host_layout, issue_at):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host_layout", ["slot", "tensor"])
+@pytest.mark.parametrize("layout", ["ion", "kv_first"])
+def test_random_ops_cuda_ring_shape_options(layout, host_layout):
+    """The ring drain cut into 4 KiB copies issued in one cuMemcpyBatchAsync, jobs of more
+    than 3 blocks copied GPU -> host directly, the gather at normal priority: every
+    restored block verified under the randomized harness, both paths taken."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+
+    r = run_random_ops(43, 3000, layout=layout, copier="batch", device="cuda",
+                       runtime=CudaRuntime(torch.device("cuda"), lean=True),
+                       host_layout=host_layout, issue_api="raw",
+                       worker_kw={"drain_chunk_bytes": 4096, "ring_max_job_blocks": 3,
+                                  "gather_priority": "normal"})
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    ws = r.worker_stats
+    assert ws["d2d_blocks"] > 0 and ws["drained_blocks"] > 0 and ws["spill_blocks"] > 0
+
+
+@pytest.mark.gpu
 def test_random_ops_cuda_raw_issue_small_id_stage():
     """issue_api="raw" with an id stage of 24 ids, so that regions wrap around while
     launches on other streams may still read them, and whose completion check answers

@@ -130,6 +130,9 @@ def test_kv_tier_bench_configs_select_the_spec_and_its_variants():
     assert ext("ion-noring") == {**base, "ring_mib": 0}
     assert ext("ion-tensor") == {**base, "host_layout": "tensor"}
     assert ext("ion-cegather") == {**base, "ring_gather": "copier"}
+    assert ext("ion-chunkdrain") == {**base, "drain_chunk_kib": 128}
+    assert ext("ion-gather-normal") == {**base, "gather_priority": "normal"}
+    assert ext("ion-ringsmall") == {**base, "ring_max_job_blocks": 4}
     from ion_vllm.bench.offload_configs import offload_transfer_config
     with pytest.raises(ValueError, match="tier"):
         offload_transfer_config("bogus", hb)

@@ -21,9 +21,10 @@ host-bound (2 ms more host time a store job left its wall time unchanged;
   fresh tensors that are kept alive until that event completes.
 * ``PointerDrain`` with ``CudaMemcpy``: the drain's ring -> host copies as
   ``cudaMemcpyAsync`` calls on an explicit stream (the libcudart PyTorch itself loaded,
-  through ctypes), one per run of consecutive host rows; on a CPU (the tests' simulated
-  streams) ``HostMemmove`` makes the same calls ``memmove``, so the address arithmetic is
-  checked there byte for byte.
+  through ctypes), one per run of consecutive host rows, or cut into pieces of a bounded
+  size (``drain_chunk_kib``); on a CPU (the tests' simulated streams) ``HostMemmove``
+  makes the same calls ``memmove``, so the address arithmetic is checked there byte for
+  byte.
 
 The GPU work itself (kernels, copy sizes, stream order, events) is the same as on the
 ``"torch"`` path, which stays selectable for A/B runs.
@@ -124,13 +125,30 @@ class PointerDrain:
     """The drain (ring rows -> host rows) as pointer copies: one per run of consecutive
     ring and host rows (per run and KV tensor in the ``tensor`` host layout), issued by
     ``copier.copy`` onto the stream it is handed.  ``placement(buf, t)`` and ``page_bytes``
-    are ``TorchCopier``'s (``worker.py``)."""
+    are ``TorchCopier``'s (``worker.py``).
+
+    ``chunk_bytes`` > 0 cuts every copy into pieces of at most that many bytes.  Why:
+    copies of one direction run in the order they were issued, whatever their stream, so
+    a drain of a whole ring run (up to the ring's size, 256 MiB by default) holds every
+    GPU -> host copy issued after it, vLLM's per-step copy of the sampled tokens
+    included, until it has crossed PCIe (``scripts/copy_contention_probe.py``: a 4 KiB
+    copy waited 4.8 ms behind one 256 MiB copy, 1.2 ms behind the same bytes as 1 MiB
+    copies).  vLLM's own worker, and Ion's direct copies, move a block as one copy per
+    KV tensor page (128 KiB a layer in the ION layout).  ``batch(src, dst, sizes,
+    stream)``, when given, issues the pieces in one call (``cuMemcpyBatchAsync`` through
+    vLLM's ``swap_blocks_batch``); without it each piece is one ``copier.copy``."""
 
     def __init__(self, ring: torch.Tensor, host: torch.Tensor, layout: str,
                  placement: Callable[[torch.Tensor, int], tuple[int, int]],
-                 page_bytes: list[int], copier: Any):
+                 page_bytes: list[int], copier: Any, chunk_bytes: int = 0,
+                 batch: Callable[[np.ndarray, np.ndarray, np.ndarray, Any], None]
+                 | None = None):
         self.ring_ptr, self.host_ptr = ring.data_ptr(), host.data_ptr()
         self.copier = copier
+        if chunk_bytes < 0:
+            raise ValueError(f"Ion KV tier: drain chunk of {chunk_bytes} B")
+        self.chunk_bytes = int(chunk_bytes)
+        self.batch = batch
         if layout == "slot":  # whole rows: one region of slot_bytes per row
             self.regions = [(0, 0, ring.stride(0), host.stride(0), ring.stride(0))]
         else:
@@ -140,18 +158,51 @@ class PointerDrain:
                 h_off, h_stride = placement(host, t)
                 self.regions.append((r_off, h_off, r_stride, h_stride, nb))
 
-    def __call__(self, start: int, host_ids: list[int], stream: Any) -> None:
-        copy = self.copier.copy
+    def copies(self, start: int, host_ids: list[int]) -> list[tuple[int, int, int]]:
+        """(dst, src, nbytes) of the drain of ring rows ``start``.. into ``host_ids``,
+        before chunking."""
+        out = []
         for s0, h0, n in runs(list(range(start, start + len(host_ids))), host_ids):
             for r_off, h_off, r_stride, h_stride, nb in self.regions:
                 # a run of rows is contiguous when the row stride is the region's width
                 if r_stride == nb and h_stride == nb or n == 1:
-                    copy(self.host_ptr + h_off + h0 * h_stride,
-                         self.ring_ptr + r_off + s0 * r_stride, n * nb, stream)
+                    out.append((self.host_ptr + h_off + h0 * h_stride,
+                                self.ring_ptr + r_off + s0 * r_stride, n * nb))
                 else:
                     for k in range(n):
-                        copy(self.host_ptr + h_off + (h0 + k) * h_stride,
-                             self.ring_ptr + r_off + (s0 + k) * r_stride, nb, stream)
+                        out.append((self.host_ptr + h_off + (h0 + k) * h_stride,
+                                    self.ring_ptr + r_off + (s0 + k) * r_stride, nb))
+        return out
+
+    def __call__(self, start: int, host_ids: list[int], stream: Any) -> None:
+        copies = self.copies(start, host_ids)
+        c = self.chunk_bytes
+        if not c:
+            copy = self.copier.copy
+            for dst, src, n in copies:
+                copy(dst, src, n, stream)
+            return
+        dst, src, size = chunked(copies, c)
+        if self.batch is not None:
+            self.batch(src, dst, size, stream)
+            return
+        copy = self.copier.copy
+        for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist()):
+            copy(d, s, n, stream)
+
+
+def chunked(copies: list[tuple[int, int, int]], chunk: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``copies`` (dst, src, nbytes) cut into pieces of at most ``chunk`` bytes, in order:
+    int64 arrays (dst, src, sizes)."""
+    c = np.asarray(copies, dtype=np.int64).reshape(-1, 3)
+    pieces = (c[:, 2] + chunk - 1) // chunk
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    k = np.arange(int(pieces.sum()), dtype=np.int64) - first  # piece index in its copy
+    row = np.repeat(np.arange(len(c)), pieces)
+    off = k * chunk
+    size = np.minimum(chunk, c[row, 2] - off)
+    return c[row, 0] + off, c[row, 1] + off, size
 
 
 class CompiledLaunch:

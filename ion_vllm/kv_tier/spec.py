@@ -46,6 +46,16 @@ kv_connector_extra_config keys:
                                 cudaMemcpyAsync, persistent id buffers; raw_issue.py),
                                 or the same GPU work through PyTorch and Triton's front
                                 ends (about 3x the host time a job)
+  gather_priority               "high" (default) | "normal": stream priority of the
+                                GPU -> ring gather, above vLLM's compute stream or equal
+  drain_chunk_kib               default 0: the ring drain copies a run of ring rows in
+                                one copy; > 0 cuts it into copies of at most that many
+                                KiB, issued in one batched call (issue_api "raw"; see
+                                raw_issue.PointerDrain)
+  ring_max_job_blocks           default 0 (no bound): a store job of more blocks than
+                                this skips the ring and is copied GPU -> host directly
+                                (a spill), as a bulk prompt store; smaller jobs (decode
+                                blocks) keep using the ring
   host_delay_us, host_delay_at  test-only (default 0, "submit"): extra busy host time
                                 per store job, in submit_store or in the next
                                 get_finished; a probe of what the tier's host time
@@ -66,6 +76,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
+    check_gather_priority,
     check_host_delay,
     check_host_layout,
     check_id_upload,
@@ -74,6 +85,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_load_copy,
     check_overflow,
     check_ring_gather,
+    check_ring_shape,
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import add_process_counters, metric_definitions, process_counter_values
@@ -192,6 +204,11 @@ class IonKVTierSpec(OffloadingSpec):
         self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
                                          "id_upload")
         self.issue_api = check_issue_api(str(extra.get("issue_api", "raw")), "issue_api")
+        self.gather_priority = check_gather_priority(
+            str(extra.get("gather_priority", "high")), "gather_priority")
+        self.drain_chunk_bytes, self.ring_max_job_blocks = check_ring_shape(
+            float(extra.get("drain_chunk_kib", 0)), float(extra.get("ring_max_job_blocks", 0)),
+            self.issue_api)
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(
@@ -206,11 +223,13 @@ class IonKVTierSpec(OffloadingSpec):
             "Ion KV tier: host %.2f GiB = %d blocks of %d B, ring %d MiB/worker, "
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
             "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s, "
-            "id upload %s, issue api %s",
+            "id upload %s, issue api %s, gather priority %s, drain chunk %d B, "
+            "ring max job %d blocks",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
-            self.load_copy, self.issue_at, self.id_upload, self.issue_api)
+            self.load_copy, self.issue_at, self.id_upload, self.issue_api,
+            self.gather_priority, self.drain_chunk_bytes, self.ring_max_job_blocks)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -246,6 +265,9 @@ class IonKVTierSpec(OffloadingSpec):
                 host_delay_us=self.host_delay_us,
                 host_delay_at=self.host_delay_at,
                 issue_api=self.issue_api,
+                gather_priority=self.gather_priority,
+                drain_chunk_bytes=self.drain_chunk_bytes,
+                ring_max_job_blocks=self.ring_max_job_blocks,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -68,6 +68,10 @@ ISSUE_APIS = ("raw", "torch")
 #: time of each store job: in ``submit_store`` (before the step's forward pass is
 #: enqueued) or in the next ``get_finished`` (after it).
 HOST_DELAY_POINTS = ("submit", "finish")
+#: The stream priority of the GPU -> ring gather (and of flush bypass copies):
+#: ``"high"`` (default): above vLLM's compute stream, so the gather's CTAs go first;
+#: ``"normal"``: the compute stream's priority.
+GATHER_PRIORITIES = ("high", "normal")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
@@ -108,6 +112,31 @@ def check_host_delay(us: float, at: str) -> tuple[float, str]:
     if not us >= 0:
         raise ValueError(f"Ion KV tier: host_delay_us must be >= 0, not {us!r}")
     return float(us), _check_choice(at, HOST_DELAY_POINTS, "host_delay_at")
+
+
+def check_gather_priority(choice: str, name: str = "gather_priority") -> str:
+    """``choice`` if it is one of GATHER_PRIORITIES, else a ValueError naming ``name``."""
+    return _check_choice(choice, GATHER_PRIORITIES, name)
+
+
+def check_ring_shape(drain_chunk_kib: float, ring_max_job_blocks: int,
+                     issue_api: str) -> tuple[int, int]:
+    """(drain chunk in bytes, largest job in blocks the ring takes; 0 = no bound),
+    checked: both >= 0, a whole number of blocks, and a drain chunk (the pointer drain's
+    option) only with ``issue_api="raw"``; else a ValueError naming the key."""
+    if not drain_chunk_kib >= 0:
+        raise ValueError(f"Ion KV tier: drain_chunk_kib must be >= 0, not {drain_chunk_kib!r}")
+    chunk = int(round(float(drain_chunk_kib) * 1024))
+    if drain_chunk_kib and (chunk <= 0 or chunk % 16):
+        raise ValueError("Ion KV tier: drain_chunk_kib must be a multiple of 16 bytes, "
+                         f"not {drain_chunk_kib!r} KiB")
+    if chunk and issue_api != "raw":
+        raise ValueError("Ion KV tier: drain_chunk_kib needs issue_api='raw' (the "
+                         "pointer drain)")
+    if int(ring_max_job_blocks) != ring_max_job_blocks or ring_max_job_blocks < 0:
+        raise ValueError("Ion KV tier: ring_max_job_blocks must be a whole number >= 0, "
+                         f"not {ring_max_job_blocks!r}")
+    return chunk, int(ring_max_job_blocks)
 
 
 def check_id_upload(choice: str, name: str = "id_upload") -> str:

@@ -118,6 +118,7 @@ def run_random_ops(
     issue_at: str = "submit",
     id_upload: str = "pin_memory",
     issue_api: str = "raw",
+    worker_kw: dict | None = None,
 ) -> HarnessResult:
     rng = random.Random(seed)
     kvm = KVModel(layout, num_gpu_blocks, device=device, seed=seed)
@@ -129,7 +130,7 @@ def run_random_ops(
                         log_interval_s=0, overflow=overflow, completion=completion,
                         host_layout=host_layout, ring_gather=ring_gather,
                         load_copy=load_copy, issue_at=issue_at, id_upload=id_upload,
-                        issue_api=issue_api)
+                        issue_api=issue_api, **(worker_kw or {}))
     budget = num_host_blocks * slot + rng.randrange(slot)
     mgr = manager_cls(num_host_blocks, slot, budget, window)
     res = HarnessResult()

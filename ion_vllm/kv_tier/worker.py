@@ -26,8 +26,16 @@ Store (one job = the new full blocks of one request in one step)
    ``page_gather.py``; the copy engines gathered pages at ~7 GB/s on the H200).
 2. Drain on a low-priority stream, after (1): copy the ring run to the host
    blocks (one memcpy per run of consecutive host ids; per run and tensor in the
-   ``tensor`` host layout).
+   ``tensor`` host layout; with ``drain_chunk_bytes``, those copies cut into pieces
+   of at most that size, issued in one batched call: ``raw_issue.PointerDrain``).
 3. When the drain completes the slots go back to the ring.
+``gather_priority`` "normal" puts (1) at the compute stream's priority instead of
+above it.  ``ring_max_job_blocks`` > 0 keeps jobs of more blocks than that off the
+ring: they are copied GPU -> host directly, as a spill (below), and only smaller jobs
+(a decode step's new block, a returning turn's few new blocks) use the ring.  The
+twenty-sixth session measured a bulk prompt store through the ring costing the
+forward pass ~1% more time than the same store copied directly (``bench/notes.md``);
+these three options are the suspects, measured apart.
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
 
@@ -172,6 +180,7 @@ from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.raw_issue import CudaMemcpy, HostMemmove, IdStage, PointerDrain
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
+    check_gather_priority,
     check_host_delay,
     check_host_layout,
     check_id_upload,
@@ -180,6 +189,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_load_copy,
     check_overflow,
     check_ring_gather,
+    check_ring_shape,
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
@@ -613,10 +623,16 @@ class IonKVTierWorker(OffloadingWorker):
         host_delay_us: float = 0.0,
         host_delay_at: str = "submit",
         issue_api: str = "raw",
+        gather_priority: str = "high",
+        drain_chunk_bytes: int = 0,
+        ring_max_job_blocks: int = 0,
     ):
         self.overflow = check_overflow(overflow)
         self.issue_api = check_issue_api(issue_api)
         raw = self.issue_api == "raw"
+        self.gather_priority = check_gather_priority(gather_priority)
+        self.drain_chunk_bytes, self.ring_max_job_blocks = check_ring_shape(
+            drain_chunk_bytes / 1024, ring_max_job_blocks, self.issue_api)
         # test-only host-time probe (spec keys host_delay_us / host_delay_at): extra host
         # time per store job, spent in submit_store or in the next get_finished
         us, self.host_delay_at = check_host_delay(host_delay_us, host_delay_at)
@@ -687,7 +703,9 @@ class IonKVTierWorker(OffloadingWorker):
         self._raw_ids = IdStage(self.device, self._ptr_copy) if raw and is_cuda else None
         self._ptr_drain = PointerDrain(
             self.ring.buffer, self.host, self.host_layout, self.copier.placement,
-            self.page_bytes, self._ptr_copy) if raw else None
+            self.page_bytes, self._ptr_copy, chunk_bytes=self.drain_chunk_bytes,
+            batch=self._batch_drain if isinstance(self.copier, BatchCopier) else None,
+        ) if raw else None
         self._raw_gather: page_gather.PageGather | None = None
         self._raw_load: page_gather.HostPageCopy | None = None
         self.ring_gather = self._ring_gather_fn(check_ring_gather(ring_gather), is_cuda)
@@ -695,7 +713,7 @@ class IonKVTierWorker(OffloadingWorker):
         logger.info("Ion KV tier: ring of %d slots (%d MiB), GPU -> ring by %s, "
                     "host -> GPU by %s", self.ring.num_slots, self.ring.nbytes >> 20,
                     self.ring_gather_impl, self.load_copy_impl)
-        self._d2d = self.rt.new_stream(high_priority=True)
+        self._d2d = self.rt.new_stream(high_priority=self.gather_priority == "high")
         self._drain = self.rt.new_stream(high_priority=False)
         self._load = self.rt.new_stream(high_priority=False)
         self._queue: deque[_StoreJob] = deque()  # jobs with blocks not yet issued
@@ -718,6 +736,13 @@ class IonKVTierWorker(OffloadingWorker):
                 "every stored and restored KV block is fingerprinted on %s and compared; "
                 "this costs GPU time and a sync per finished load - a test mode",
                 ENV_VERIFY, self.device)
+
+    def _batch_drain(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                     stream: Any) -> None:
+        """The chunked drain's pieces in one driver call on ``stream`` (``BatchCopier``)."""
+        copier = self.copier
+        assert isinstance(copier, BatchCopier)
+        self.rt.launch(stream, lambda: copier._submit(src, dst, sizes, src_any=False))
 
     def _kernel_or_copier(self, key: str, choice: str, usable: bool, needs: dict[str, bool],
                           build, prepare, fallback, what: str) -> tuple[str, Any]:
@@ -1052,6 +1077,8 @@ class IonKVTierWorker(OffloadingWorker):
             self._host_written(p)
         while self._queue:
             job = self._queue[0]
+            if 0 < self.ring_max_job_blocks < job.n and job.next_item == 0:
+                self._issue_spill(job)  # a bulk store: GPU -> host directly
             while job.next_item < job.n:
                 run = self.ring.alloc.alloc(job.n - job.next_item)
                 if run is None:
