@@ -19,6 +19,8 @@ any wait behind the bulk copy.  Bulk modes:
 * ``<dir>-one``: one ``cudaMemcpyAsync`` of the whole bulk (the tier's ring drain of a
   run of slots);
 * ``<dir>-chunks-<K>``: the same bytes as copies of ``K`` KiB, all enqueued at once;
+* ``<dir>-batch-<K>``: the same pieces in one driver call (vLLM's ``swap_blocks_batch``,
+  ``cuMemcpyBatchAsync``; needs vLLM): the KV tier's chunked drain (``drain_chunk_kib``);
 * ``<dir>-paced-<K>-<W>``: copies of ``K`` KiB issued by a host thread with at most
   ``W`` of them outstanding (the next one after the oldest one's event);
 * ``<dir>-sm-<G>``: no copy engine at all: ``G`` Triton programs copy the bulk to or
@@ -81,6 +83,23 @@ def sm_copy(src: torch.Tensor, dst: torch.Tensor, programs: int) -> None:
                                  num_warps=4)
 
 
+def batch_pieces(src_ptr: int, dst_ptr: int, nbytes: int, step: int):
+    """(src, dst, sizes) int64 tensors of ``nbytes`` cut into copies of ``step`` bytes."""
+    offs = torch.arange(0, nbytes, step, dtype=torch.int64)
+    sizes = torch.clamp(nbytes - offs, max=step)
+    return src_ptr + offs, dst_ptr + offs, sizes
+
+
+def batch_copy(src: torch.Tensor, dst: torch.Tensor, step: int) -> None:
+    """The bulk as copies of ``step`` bytes in one driver call (vLLM's swap_blocks_batch,
+    cuMemcpyBatchAsync: how the tier's chunked drain issues them) on the current stream."""
+    from vllm import _custom_ops as ops
+
+    s, d, z = batch_pieces(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size(),
+                           step)
+    ops.swap_blocks_batch(s, d, z)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -124,6 +143,8 @@ class Bench:
                 sm_copy(src, dst, int(parts[2]))
             elif parts[1] == "one":
                 dst.copy_(src, non_blocking=True)
+            elif parts[1] == "batch":
+                batch_copy(src, dst, int(parts[2]) << 10)
             else:
                 step = int(parts[2]) << 10
                 for a in range(0, self.n, step):
@@ -243,6 +264,17 @@ class Bench:
         return statistics.median(busy) / statistics.median(alone)
 
 
+def check_batch_copy(b: Bench, mode: str) -> float:
+    """Share of mismatching bytes (0 expected) after the batched GPU -> host copy of
+    ``mode``, every byte compared against its source (destination poisoned first)."""
+    b.host.fill_(0x5A)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(b.bulk_stream):
+        batch_copy(b.gpu_src, b.host, int(mode.split("-")[2]) << 10)
+    torch.cuda.synchronize()
+    return (b.host != b.gpu_src.cpu()).sum().item() / b.n
+
+
 def check_sm_copy(b: Bench, mode: str) -> float:
     """Share of mismatching bytes (0 expected) after the SM copy of ``mode``, every byte
     compared against its source (destination poisoned first)."""
@@ -282,6 +314,8 @@ def main() -> int:
         b.probe_once(p)
     torch.cuda.synchronize()
     checks = {m: check_sm_copy(b, m) for m in args.modes.split(",") if "-sm-" in m}
+    checks.update({m: check_batch_copy(b, m) for m in args.modes.split(",")
+                   if m.startswith("d2h-batch-")})
     rows = []
     for m in args.modes.split(","):
         row = {"mode": m, "bulk_gbps": None if m == "none" else b.bulk_gbps(m),
@@ -291,7 +325,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "bulk_mib": args.bulk_mib, "sm_copy_mismatch_frac": checks,
+            "bulk_mib": args.bulk_mib, "copy_mismatch_frac": checks,
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "probe_priority": args.probe_priority,
             "argv": sys.argv}

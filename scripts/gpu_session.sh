@@ -11,6 +11,12 @@
 #   hostcost scripts/kv_tier_host_cost.py: host time of the tier worker's submit_store /
 #           submit_load / get_finished under both issue points, no profiler (every block
 #           checked)
+#   probes  the ring path's two suspects alone (twenty-sixth session): step gather,
+#           scripts/ring_gather_probe.py (the worker's gather kernel alone and beside bf16
+#           GEMMs, at high and normal stream priority); step copyprobe,
+#           scripts/copy_contention_probe.py (a 4 KiB GPU -> host copy behind one 256 MiB
+#           copy or behind it cut into 128 KiB / 1 MiB pieces in one batched call;
+#           COPYPROBE_MODES)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
 #           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
 #           GPU block ids in consecutive runs, then at random
@@ -100,7 +106,7 @@ step() {  # step NAME SECONDS CMD...
 # serves it and it is missing.
 need_vllm=0
 need_cute=0
-for s in kvgpu hostcost copy preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
+for s in kvgpu hostcost probes copy preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
 for s in kbench kval e2e kvtier kvtier2 share agree; do want "$s" && need_cute=1; done
 missing=
 [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -130,6 +136,12 @@ if want kvgpu; then
 fi
 if want hostcost; then
   step hostcost 180 python3 scripts/kv_tier_host_cost.py --out "$out/hostcost"
+fi
+if want probes; then
+  step gather 180 python3 scripts/ring_gather_probe.py --out "$out/gather"
+  step copyprobe 180 python3 scripts/copy_contention_probe.py \
+    --modes "${COPYPROBE_MODES:-none,d2h-one,d2h-batch-128,d2h-batch-1024}" \
+    --probes d2h-4k,h2d-64k --out "$out/copyprobe"
 fi
 if want copy; then
   for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random
