@@ -229,3 +229,20 @@ def test_the_spec_reads_the_options_and_refuses_bad_ones():
         IonKVTierSpec(_cfg({**base, "drain_chunk_kib": 128, "issue_api": "torch"}))
     with pytest.raises(ValueError, match="gather_priority"):
         IonKVTierSpec(_cfg({**base, "gather_priority": "urgent"}))
+
+
+def test_a_drain_chunk_without_the_raw_path_is_said_not_to_apply(monkeypatch, caplog):
+    """When the raw path cannot be built, the chunked drain (a raw-path option) is not
+    applied, the log says so, and every block still round-trips."""
+    import logging
+
+    from ion_vllm.kv_tier import worker as W
+
+    def no_library():
+        raise OSError("libcudart.so: cannot open shared object file")
+
+    monkeypatch.setattr(W, "HostMemmove", no_library)
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
+        r = run_random_ops(6, 800, issue_api="raw", worker_kw={"drain_chunk_bytes": 4096})
+    assert "drain_chunk_kib not applied" in caplog.text
+    assert r.restored_blocks > 0

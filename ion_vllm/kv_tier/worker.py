@@ -667,7 +667,9 @@ class IonKVTierWorker(OffloadingWorker):
                 self._ptr_copy = CudaMemcpy() if is_cuda else HostMemmove()
             except OSError as e:
                 logger.warning("Ion KV tier: issue_api='raw' needs the CUDA runtime "
-                               "library (%s); issuing through PyTorch instead", e)
+                               "library (%s); issuing through PyTorch instead%s", e,
+                               " (drain_chunk_kib not applied: the torch drain copies "
+                               "whole runs)" if self.drain_chunk_bytes else "")
                 raw, self.issue_api = False, "torch"
         self.rt = runtime if runtime is not None else (
             CudaRuntime(self.device, lean=raw) if is_cuda else SimRuntime(eager=True))
