@@ -346,6 +346,18 @@ def measure_parts(canonical, reps: int) -> tuple[dict, dict]:
         "raw_load_launch_4": timed(lambda: wr.rt.launch_on(
             wr._load, lambda st: wr._raw_load.launch_on(st, 0, host4, gpu4))),
     })
+    # a drain of a run of ring rows: one copy, or cut into 128 KiB copies issued in one
+    # batched call (drain_chunk_kib, twenty-sixth session)
+    wc = IonKVTierWorker(canonical, num_host_blocks=8, ring_bytes=64 << 20, log_interval_s=0,
+                         issue_api="raw", drain_chunk_bytes=128 << 10)
+    run = list(range(min(8, wr.ring.num_slots)))
+    parts.update({
+        f"raw_drain_run_{len(run)}": timed(lambda: wr.rt.launch_on(
+            wr._drain, lambda st: wr._ptr_drain(0, run, st))),
+        f"raw_drain_run_{len(run)}_chunked_128k": timed(lambda: wc.rt.launch_on(
+            wc._drain, lambda st: wc._ptr_drain(0, run, st))),
+    })
+    wc.shutdown()
     wr.shutdown()
     w.shutdown()
     return parts, {"staged": up.staged, "fallbacks": up.fallbacks}
