@@ -202,16 +202,18 @@ def test_random_ops_cuda_ring_shape_options(layout, host_layout):
     than 3 blocks copied GPU -> host directly, the gather at normal priority: every
     restored block verified under the randomized harness, both paths taken."""
     from ion_vllm.kv_tier.runtime import CudaRuntime
-    from ion_vllm.kv_tier.testing import run_random_ops
+    from ion_vllm.kv_tier.testing import (
+        RING_SHAPE_OPTIONS,
+        run_random_ops,
+        took_ring_and_direct_paths,
+    )
 
     r = run_random_ops(43, 3000, layout=layout, copier="batch", device="cuda",
                        runtime=CudaRuntime(torch.device("cuda"), lean=True),
                        host_layout=host_layout, issue_api="raw",
-                       worker_kw={"drain_chunk_bytes": 4096, "ring_max_job_blocks": 3,
-                                  "gather_priority": "normal"})
+                       worker_kw=RING_SHAPE_OPTIONS)
     assert r.restored_blocks > 0 and r.verified_blocks > 0
-    ws = r.worker_stats
-    assert ws["d2d_blocks"] > 0 and ws["drained_blocks"] > 0 and ws["spill_blocks"] > 0
+    assert took_ring_and_direct_paths(r.worker_stats)
 
 
 @pytest.mark.gpu

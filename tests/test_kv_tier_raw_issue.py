@@ -70,23 +70,31 @@ def test_pointer_drain_matches_the_torch_copier(layout):
         assert torch.equal(host, ref), (layout, trial, start, hids)
 
 
+class CountingMemmove(HostMemmove):
+    """HostMemmove that appends each copy's size to ``sizes``."""
+
+    def __init__(self, sizes: list):
+        self.sizes = sizes
+
+    def copy(self, dst, src, nbytes, stream):
+        self.sizes.append(nbytes)
+        super().copy(dst, src, nbytes, stream)
+
+
 def test_pointer_drain_copies_a_consecutive_run_in_one_call():
     """A run of consecutive ring and host rows is one copy per region (slot layout: one),
     not one per row; a broken run is one copy per piece."""
     rng = np.random.default_rng(1)
     calls = []
 
-    class Counting(HostMemmove):
-        def copy(self, dst, src, nbytes, stream):
-            calls.append(nbytes)
-            super().copy(dst, src, nbytes, stream)
-
     pages, cp, ring, host = _buffers(rng, "slot")
-    PointerDrain(ring, host, "slot", cp.placement, pages, Counting())(2, [4, 5, 6], None)
+    PointerDrain(ring, host, "slot", cp.placement, pages, CountingMemmove(calls))(
+        2, [4, 5, 6], None)
     assert calls == [3 * sum(pages)]
     calls.clear()
     pages, cp, ring, host = _buffers(rng, "tensor")
-    PointerDrain(ring, host, "tensor", cp.placement, pages, Counting())(2, [4, 5, 1], None)
+    PointerDrain(ring, host, "tensor", cp.placement, pages, CountingMemmove(calls))(
+        2, [4, 5, 1], None)
     assert sorted(calls) == sorted([2 * p for p in pages] + pages)
 
 

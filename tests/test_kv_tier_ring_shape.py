@@ -14,10 +14,15 @@ from ion_vllm.kv_tier.manager import IonHostSpec
 from ion_vllm.kv_tier.raw_issue import HostMemmove, PointerDrain, chunked
 from ion_vllm.kv_tier.runtime import SimRuntime
 from ion_vllm.kv_tier.staging_ring import check_ring_shape
-from ion_vllm.kv_tier.testing import KVModel, run_random_ops
+from ion_vllm.kv_tier.testing import (
+    RING_SHAPE_OPTIONS,
+    KVModel,
+    run_random_ops,
+    took_ring_and_direct_paths,
+)
 from ion_vllm.kv_tier.worker import IonKVTierWorker
 
-from tests.test_kv_tier_raw_issue import _buffers
+from tests.test_kv_tier_raw_issue import CountingMemmove, _buffers
 
 
 def _chunked_reference(copies, chunk):
@@ -53,11 +58,6 @@ def test_chunked_pointer_drain_matches_the_torch_copier(layout, chunk):
     rng = np.random.default_rng(7)
     sizes = []
 
-    class Counting(HostMemmove):
-        def copy(self, dst, src, nbytes, stream):
-            sizes.append(nbytes)
-            super().copy(dst, src, nbytes, stream)
-
     for trial in range(40):
         pages, cp, ring, host = _buffers(rng, layout)
         ref = host.clone()
@@ -68,7 +68,7 @@ def test_chunked_pointer_drain_matches_the_torch_copier(layout, chunk):
             hids = np.arange(h0, h0 + n)
         else:
             hids = rng.choice(9, n, replace=False)
-        PointerDrain(ring, host, layout, cp.placement, pages, Counting(),
+        PointerDrain(ring, host, layout, cp.placement, pages, CountingMemmove(sizes),
                      chunk_bytes=chunk)(start, hids.tolist(), None)
         cp.drain(ring, start, ref, hids)
         assert ref.equal(host), (layout, chunk, trial)
@@ -183,12 +183,9 @@ def test_random_ops_with_every_ring_shape_option(host_layout, overflow, completi
     stream interleavings: every restored block byte-identical to the block stored, and
     both paths (ring and direct) taken."""
     r = run_random_ops(seed, 5000, overflow=overflow, completion=completion,
-                       host_layout=host_layout, issue_api="raw",
-                       worker_kw={"drain_chunk_bytes": 4096, "ring_max_job_blocks": 3,
-                                  "gather_priority": "normal"})
+                       host_layout=host_layout, issue_api="raw", worker_kw=RING_SHAPE_OPTIONS)
     assert r.restored_blocks > 100 and r.verified_blocks > 0
-    ws = r.worker_stats
-    assert ws["d2d_blocks"] > 0 and ws["drained_blocks"] > 0 and ws["spill_blocks"] > 0
+    assert took_ring_and_direct_paths(r.worker_stats)
 
 
 def test_chunked_drain_mutant_is_caught():

@@ -97,6 +97,19 @@ def key_of(i: int):
     return make_offload_key(i.to_bytes(8, "big"), 0)
 
 
+#: Every ring-shape option on at once (worker.py): the drain cut into 4 KiB copies, jobs
+#: of more than 3 blocks copied GPU -> host directly, the gather at normal priority; the
+#: harness's jobs are 1-6 blocks, so both the ring and the direct path are taken.
+RING_SHAPE_OPTIONS = {"drain_chunk_bytes": 4096, "ring_max_job_blocks": 3,
+                      "gather_priority": "normal"}
+
+
+def took_ring_and_direct_paths(ws: dict) -> bool:
+    """Whether a run's worker stats show blocks through the ring (gathered and drained)
+    and blocks copied GPU -> host directly."""
+    return ws["d2d_blocks"] > 0 and ws["drained_blocks"] > 0 and ws["spill_blocks"] > 0
+
+
 def run_random_ops(
     seed: int,
     n_ops: int,
