@@ -51,6 +51,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 try:
     import triton
     import triton.language as tl
@@ -84,10 +86,12 @@ def sm_copy(src: torch.Tensor, dst: torch.Tensor, programs: int) -> None:
 
 
 def batch_pieces(src_ptr: int, dst_ptr: int, nbytes: int, step: int):
-    """(src, dst, sizes) int64 tensors of ``nbytes`` cut into copies of ``step`` bytes."""
-    offs = torch.arange(0, nbytes, step, dtype=torch.int64)
-    sizes = torch.clamp(nbytes - offs, max=step)
-    return src_ptr + offs, dst_ptr + offs, sizes
+    """(src, dst, sizes) int64 tensors of ``nbytes`` cut into copies of ``step`` bytes:
+    the KV tier drain's own chunking (``raw_issue.chunked``)."""
+    from ion_vllm.kv_tier.raw_issue import chunked
+
+    dst, src, sizes = chunked([(dst_ptr, src_ptr, nbytes)], step)
+    return torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(sizes)
 
 
 def batch_copy(src: torch.Tensor, dst: torch.Tensor, step: int) -> None:
@@ -264,15 +268,22 @@ class Bench:
         return statistics.median(busy) / statistics.median(alone)
 
 
-def check_batch_copy(b: Bench, mode: str) -> float:
-    """Share of mismatching bytes (0 expected) after the batched GPU -> host copy of
-    ``mode``, every byte compared against its source (destination poisoned first)."""
+def _d2h_mismatch(b: Bench, copy) -> float:
+    """Share of mismatching bytes (0 expected) after ``copy()`` moved the bulk GPU ->
+    host, every byte compared against its source (destination poisoned first)."""
     b.host.fill_(0x5A)
     torch.cuda.synchronize()
-    with torch.cuda.stream(b.bulk_stream):
-        batch_copy(b.gpu_src, b.host, int(mode.split("-")[2]) << 10)
+    copy()
     torch.cuda.synchronize()
     return (b.host != b.gpu_src.cpu()).sum().item() / b.n
+
+
+def check_batch_copy(b: Bench, mode: str) -> float:
+    """``_d2h_mismatch`` of the batched GPU -> host copy of ``mode``."""
+    def copy():
+        with torch.cuda.stream(b.bulk_stream):
+            batch_copy(b.gpu_src, b.host, int(mode.split("-")[2]) << 10)
+    return _d2h_mismatch(b, copy)
 
 
 def check_sm_copy(b: Bench, mode: str) -> float:
@@ -280,11 +291,7 @@ def check_sm_copy(b: Bench, mode: str) -> float:
     compared against its source (destination poisoned first)."""
     programs = int(mode.split("-")[2])
     if mode.startswith("d2h"):
-        b.host.fill_(0x5A)
-        torch.cuda.synchronize()
-        sm_copy(b.gpu_src, b.host, programs)
-        torch.cuda.synchronize()
-        return (b.host != b.gpu_src.cpu()).sum().item() / b.n
+        return _d2h_mismatch(b, lambda: sm_copy(b.gpu_src, b.host, programs))
     b.host.copy_(torch.randint(-128, 127, (b.n,), dtype=torch.int8))
     b.gpu_dst.fill_(0x5A)
     sm_copy(b.host, b.gpu_dst, programs)
