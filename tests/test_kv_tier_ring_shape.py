@@ -8,9 +8,7 @@ driver call) is in tests/test_kv_tier_gpu.py."""
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from ion_vllm.kv_tier.manager import IonHostSpec
 from ion_vllm.kv_tier.raw_issue import HostMemmove, PointerDrain, chunked
 from ion_vllm.kv_tier.runtime import SimRuntime
 from ion_vllm.kv_tier.staging_ring import check_ring_shape
@@ -22,6 +20,7 @@ from ion_vllm.kv_tier.testing import (
 )
 from ion_vllm.kv_tier.worker import IonKVTierWorker
 
+from tests.test_kv_tier_issue import _load, _store, _until_done
 from tests.test_kv_tier_raw_issue import CountingMemmove, _buffers
 
 
@@ -111,13 +110,10 @@ def _roundtrip(kvm, rt, w, gpu, host, job):
     data = {b: kvm.random_block() for b in gpu}
     for b, d in data.items():
         kvm.write(b, d)
-    w.submit_store(job, GPULoadStoreSpec(list(gpu), [len(gpu)], [0]), IonHostSpec(list(host)))
-    for _ in range(50):
-        rt.run_all()
-        if job in {r.job_id for r in w.get_finished()}:
-            break
+    _store(w, job, gpu, host)
+    _until_done(rt, w, {job})
     dst = [15 + i for i in range(len(gpu))]
-    w.submit_load(job + 1, IonHostSpec(list(host)), GPULoadStoreSpec(dst, [len(dst)], [0]))
+    _load(w, job + 1, host, dst)
     w.wait({job + 1})
     rt.run_all()
     assert all(kvm.equal(d, data[b]) for d, b in zip(dst, gpu))
