@@ -32,7 +32,12 @@ shape, the suspects of Ion's turn-1 cost (twenty-sixth session): `ion-chunkdrain
 (drain_chunk_kib=128: the ring drain as copies of at most 128 KiB, the size of the
 direct path's page copies), `ion-gather-normal` (gather_priority=normal: the GPU -> ring
 gather at the compute stream's priority) and `ion-ringsmall` (ring_max_job_blocks=4: bulk
-prompt stores copied GPU -> host directly, the ring kept for jobs of up to 4 blocks).
+prompt stores copied GPU -> host directly, the ring kept for jobs of up to 4 blocks);
+none of the three moved turn 1 (twenty-seventh session: the cost follows ring pieces, ~1
+ms each, not bytes), so two more: `ion-hostids` (gather_ids=host: the gather kernel reads
+its block ids from pinned host memory, no host -> device copy per piece) and
+`ion-gather-drain` (gather_stream=drain: the gather queued on the drain stream, no stream
+of its own).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -98,6 +103,8 @@ ION_CONFIGS = {
     "ion-chunkdrain": {"drain_chunk_kib": 128},
     "ion-gather-normal": {"gather_priority": "normal"},
     "ion-ringsmall": {"ring_max_job_blocks": 4},
+    "ion-hostids": {"gather_ids": "host"},
+    "ion-gather-drain": {"gather_stream": "drain"},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
@@ -379,15 +386,17 @@ MEAN_FIELDS = ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "ttft_p50
 
 def combine_repeats(name: str, runs: list[dict]) -> dict:
     """One config's result: the mean of each MEAN_FIELDS entry over its repeats (None when
-    any repeat has none), min/max of throughput and TTFT p50, the per-repeat records, and
-    summed token counts and tier metrics."""
+    any repeat has none, or there are no repeats: ``--repeats 0`` with ``--profile-dir``
+    runs the profiled wave alone), min/max of throughput and TTFT p50, the per-repeat
+    records, and summed token counts and tier metrics."""
     out: dict = {"config": name, "repeats": len(runs), "runs": runs}
     for k in MEAN_FIELDS:
         vals = [r.get(k) for r in runs]
-        out[k] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+        # none without repeats (--repeats 0: the profiled wave only)
+        out[k] = None if not vals or any(v is None for v in vals) else sum(vals) / len(vals)
     for k in ("total_tok_s", "ttft_p50_ms"):
-        out[k + "_min"] = min(r[k] for r in runs)
-        out[k + "_max"] = max(r[k] for r in runs)
+        out[k + "_min"] = min((r[k] for r in runs), default=None)
+        out[k + "_max"] = max((r[k] for r in runs), default=None)
     for k in ("requests", "prompt_tokens", "output_tokens"):
         out[k] = sum(r[k] for r in runs)
     tm: dict = {}
@@ -593,6 +602,21 @@ def profile_lines(results: list[dict]) -> list[str]:
             out.append(f"| {r['config']} | {h['gaps']} ({h['gap_us'] / 1e3:.1f}) | "
                        f"{h['host_late']} ({h['host_late_us'] / 1e3:.1f}) | "
                        f"{h['device']} ({h['device_us'] / 1e3:.1f}) | {during} | {ion} |")
+    sides = [r for r in rows if r["profile"].get("side")]
+    if sides:
+        sd = sides[0]["profile"]["side"]
+        out += ["", f"The same gaps by the other streams' work near them (running in the gap "
+                f"or in the {sd['lead_us']:g} us before it; a gap near several counts for "
+                "each; ms, with counts, and each stream's pieces in all):", "",
+                "| config | gaps | near no side work | near (stream kind: gaps, ms, of "
+                "pieces) |", "|---|---|---|---|"]
+        for r in sides:
+            sd = r["profile"]["side"]
+            near = "; ".join(f"{x['stream']} {x['kind']}: {x['gaps']}, "
+                             f"{x['gap_us'] / 1e3:.1f}, of {x['pieces']}"
+                             for x in sd["by_side"][:4]) or "-"
+            out.append(f"| {r['config']} | {sd['gaps']} ({sd['gap_us'] / 1e3:.1f}) | "
+                       f"{sd['alone']} ({sd['alone_us'] / 1e3:.1f}) | {near} |")
     return out
 
 
@@ -678,7 +702,8 @@ def main() -> int:
     ap.add_argument("--wave", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1,
                     help="workload passes per config on the same engine, each with its own "
-                         "conversations (seed + r); the table shows means and min-max")
+                         "conversations (seed + r); the table shows means and min-max; 0 "
+                         "(with --profile-dir): the profiled wave only, no timed pass")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--colocate", action="store_true",
                     help="start every config's engine at once (each with 1/n of the GPU "
@@ -695,6 +720,8 @@ def main() -> int:
                     help="engine steps recorded")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 0 or (args.repeats == 0 and not args.profile_dir):
+        ap.error("--repeats must be >= 1, or 0 with --profile-dir (a profiled wave only)")
     unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {CONFIGS}")

@@ -217,6 +217,40 @@ def test_random_ops_cuda_ring_shape_options(layout, host_layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("opts", [{"gather_ids": "host"}, {"gather_stream": "drain"},
+                                  {"gather_ids": "host", "gather_stream": "drain"}],
+                         ids=["host-ids", "drain-stream", "both"])
+def test_random_ops_cuda_gather_path_options(opts):
+    """The ring gather reading its block ids from pinned host memory through unified
+    addressing (no host -> device copy), and/or queued on the drain stream: every restored
+    block verified under the randomized harness, blocks through the ring, and (host ids)
+    the mapped id stage used with no device buffer."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    made = []
+
+    class Keep(IonKVTierWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    r = run_random_ops(47, 3000, copier="batch", device="cuda", worker_cls=Keep,
+                       runtime=CudaRuntime(torch.device("cuda"), lean=True),
+                       issue_api="raw", worker_kw=opts)
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["d2d_blocks"] > 0
+    w = made[-1]
+    assert w._raw_gather is not None  # the compiled launch, not the dispatcher
+    if opts.get("gather_ids") == "host":
+        assert w._gather_id_stage.mapped and w._gather_id_stage.buf is None
+        assert w._gather_id_stage.staged > 0
+    if opts.get("gather_stream") == "drain":
+        assert w._d2d is w._drain
+
+
+@pytest.mark.gpu
 def test_random_ops_cuda_raw_issue_small_id_stage():
     """issue_api="raw" with an id stage of 24 ids, so that regions wrap around while
     launches on other streams may still read them, and whose completion check answers

@@ -3,6 +3,7 @@ tier benchmark's profiled wave (scripts/kv_tier_bench.py --profile-dir), on synt
 Kineto traces."""
 
 import gzip
+import types
 import json
 import os
 
@@ -104,11 +105,14 @@ def test_bench_profile_summary_takes_the_newest_trace_and_renders(tmp_path):
     assert bench.profile_summary(str(tmp_path / "prof"), "native") is None
     lines = bench.profile_lines([{"config": "ion", "profile": rep},
                                  {"config": "native", "profile": None}])
-    assert len(lines) == 12 and lines[5].startswith("| ion | 0.4 | 0.145 | 2 (0.4) |")
+    assert len(lines) == 18 and lines[5].startswith("| ion | 0.4 | 0.145 | 2 (0.4) |")
     assert "0.0 / 0.1 / 0.0" in lines[5]  # other streams: kernels 30 us, HtoD 50, DtoH 20
     assert "gemm 1.500" in lines[5]
     # the host split: two gaps of 20 us or more (185, 170 us), no launch events here
-    assert lines[-1] == "| ion | 2 (0.4) | 0 (0.0) | 0 (0.0) | - | - |"
+    assert lines[11] == "| ion | 2 (0.4) | 0 (0.0) | 0 (0.0) | - | - |"
+    # and by the side work near them (the DtoH copy near both, the gather near the second)
+    assert lines[-1] == ("| ion | 2 (0.4) | 0 (0.0) | 21 DtoH: 2, 0.4, of 1; "
+                         "20 kernel: 1, 0.2, of 1 |")
     assert bench.profile_lines([{"config": "ion"}]) == []
 
 
@@ -224,3 +228,44 @@ def test_bench_profile_lines_render_the_host_split():
     row = lines[i + 2]
     assert row.startswith("| ion | 3 (0.2) | 1 (0.0) | 1 (0.1) | execute_model 0.0;")
     assert row.endswith("| get_finished 1x26 |")
+
+
+def test_a_profile_only_run_reports_its_profile_and_no_timed_numbers(tmp_path):
+    """--repeats 0 --profile-dir: a config's result has no repeats (every averaged field
+    None, no min/max), results.md still renders with its profiled-wave table, and no bar
+    is judged from it."""
+    res = bench.combine_repeats("ion-ringsmall", [])
+    assert res["repeats"] == 0 and res["total_tok_s"] is None
+    assert res["total_tok_s_min"] is None and res["tier_metrics"] == {}
+    res["profile"] = st.summarize(_trace())
+    args = types.SimpleNamespace(model="m", attention_backend="ION", host_gib=1.0,
+                                 conversations=2, turns=1, context_len=8, user_len=1,
+                                 max_tokens=1, wave=1)
+    lines = bench.write_results(str(tmp_path), {"meta": 1}, [res], args, 1 << 20, 4 << 20)
+    md = (tmp_path / "results.md").read_text()
+    assert "| ion-ringsmall | - |" in md and "Profiled wave" in md
+    assert "| ion-ringsmall | 0.4 | 0.145 | 2 (0.4) |" in md
+    assert not any("PASS" in x or "FAIL" in x for x in lines)
+
+
+def test_gaps_are_matched_with_the_side_work_near_them():
+    """Compute stream 7 idles 15-200 us and 230-400 us.  With a 100 us lead, the first gap
+    has the DtoH copy (190-210) near it; the second has the DtoH copy and the gather
+    (212-242); the HtoD copy (415-465) comes after both gaps and is near none."""
+    acts = st.gpu_activities(_trace())
+    r = st.gaps_near_side_work(acts, "7", gap_us=20.0, lead_us=100.0)
+    assert (r["gaps"], r["gap_us"], r["alone"]) == (2, 355.0, 0)
+    by = {(x["stream"], x["kind"]): (x["gaps"], x["gap_us"], x["pieces"])
+          for x in r["by_side"]}
+    assert by == {("21", "DtoH"): (2, 355.0, 1), ("20", "kernel"): (1, 170.0, 1)}
+    assert r["by_side"][0]["kind"] == "DtoH"  # most gap time first
+    # no lead: the copy runs into the first gap (190-210 against 15-200) but ended before
+    # the second (230-400), into which only the gather runs (212-242)
+    r0 = st.gaps_near_side_work(acts, "7", gap_us=20.0, lead_us=0.0)
+    assert {(x["stream"], x["kind"]): x["gaps"] for x in r0["by_side"]} == \
+        {("21", "DtoH"): 1, ("20", "kernel"): 1}
+    assert st.gaps_near_side_work(acts, "7", gap_us=400.0)["gaps"] == 0
+    # with the side streams removed, every gap is alone
+    lone = [a for a in acts if a["stream"] == "7"]
+    r = st.gaps_near_side_work(lone, "7")
+    assert (r["alone"], r["alone_us"], r["by_side"]) == (2, 355.0, [])

@@ -17,6 +17,10 @@ check them on synthetic traces.
   launch of the work after the gap was issued after the stream went idle) or the device
   (it was issued before: a wait on another stream, a copy queue or a graph's own
   dependency); and what the host was doing, by CPU event name, during the host's part.
+* ``gaps_near_side_work``: the same gaps, by which other stream's work (stream and kind)
+  ran during the gap or started shortly before it: whether the forward pass's idle time
+  sits beside a side stream's pieces (a KV tier's gathers, id copies, drains) or apart
+  from them.
 """
 
 from __future__ import annotations
@@ -263,11 +267,58 @@ def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float =
     return res
 
 
+def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
+                        lead_us: float = 100.0) -> dict:
+    """The idle gaps of at least ``gap_us`` between kernels of ``stream`` (as in
+    ``host_waits``), each matched with the other streams' activities that overlap the
+    window from ``lead_us`` before the gap to its end.  ``by_side``: per (stream, kind) of
+    side work, the gaps it was near and their summed length (a gap near several counts
+    for each), most gap time first; ``alone`` / ``alone_us``: the gaps with no side work
+    near; ``side_pieces``: per (stream, kind), how many activities there were in all, so
+    that "near N gaps" reads against "of M pieces"."""
+    ker = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    side = sorted((a for a in acts if a["stream"] != stream), key=lambda a: a["start"])
+    starts = [a["start"] for a in side]
+    by: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    pieces: dict[tuple[str, str], int] = defaultdict(int)
+    for a in side:
+        pieces[(a["stream"], a["kind"])] += 1
+    max_len = max((a["end"] - a["start"] for a in side), default=0.0)
+    res = {"gap_threshold_us": gap_us, "lead_us": lead_us, "gaps": 0, "gap_us": 0.0,
+           "alone": 0, "alone_us": 0.0}
+    cur_end = None
+    for a in ker:
+        if cur_end is not None and a["start"] - cur_end >= gap_us:
+            g0, g1 = cur_end, a["start"]
+            res["gaps"] += 1
+            res["gap_us"] += g1 - g0
+            w0 = g0 - lead_us
+            near = set()
+            # side work overlapping [w0, g1): it starts before g1 and ends after w0
+            i = bisect.bisect_left(starts, w0 - max_len)
+            while i < len(side) and side[i]["start"] < g1:
+                if side[i]["end"] > w0:
+                    near.add((side[i]["stream"], side[i]["kind"]))
+                i += 1
+            for k in near:
+                by[k][0] += 1
+                by[k][1] += g1 - g0
+            if not near:
+                res["alone"] += 1
+                res["alone_us"] += g1 - g0
+        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+    res["by_side"] = [{"stream": k[0], "kind": k[1], "gaps": v[0], "gap_us": v[1],
+                       "pieces": pieces[k]}
+                      for k, v in sorted(by.items(), key=lambda kv: -kv[1][1])]
+    return res
+
+
 def summarize(trace: dict, gap_us: float = 100.0, top: int = 8,
               host_gap_us: float = 20.0) -> dict:
     """The whole report of one trace: the compute stream, its busy/gap stats over its own
     span, every stream's table, the compute kernels' overlap slowdown, and the split of
-    its idle gaps of ``host_gap_us`` or more between host and device (``host_waits``)."""
+    its idle gaps of ``host_gap_us`` or more between host and device (``host_waits``) and
+    by the side work near them (``gaps_near_side_work``)."""
     acts = gpu_activities(trace)
     cs = compute_stream(acts)
     comp = [(a["start"], a["end"]) for a in acts if a["stream"] == cs and a["kind"] == "kernel"]
@@ -276,4 +327,6 @@ def summarize(trace: dict, gap_us: float = 100.0, top: int = 8,
             "streams": stream_table(acts),
             "overlap": overlap_slowdown(acts, cs, top) if cs is not None else [],
             "host": (host_waits(acts, host_events(trace), cs, host_gap_us)
+                     if cs is not None else None),
+            "side": (gaps_near_side_work(acts, cs, host_gap_us)
                      if cs is not None else None)}

@@ -248,10 +248,13 @@ class IdStage:
 
     The kernels could read the pinned buffer directly, but the load kernel reads each id
     again in every iteration of its persistent loop, where a PCIe round trip apiece would
-    serialize; the one small copy costs one call."""
+    serialize; the one small copy costs one call.  ``mapped=True`` is that direct form, for
+    the ring gather (each of its programs reads its one id once): ``put`` writes the ids
+    into the pinned buffer and returns their host address, which a kernel reads through
+    unified addressing; no copy is queued on ``stream``, and no device buffer is kept."""
 
     def __init__(self, device: torch.device, copier: Any, capacity: int = 1 << 15,
-                 done: Callable[[Any], bool] | None = None):
+                 done: Callable[[Any], bool] | None = None, mapped: bool = False):
         from ion_vllm.kv_tier.page_gather import StagingRegions
 
         self.device = torch.device(device)
@@ -260,8 +263,11 @@ class IdStage:
         pin = self.device.type == "cuda"
         self.pinned = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
         self.view = self.pinned.numpy()
-        self.buf = torch.empty(capacity, dtype=torch.int64, device=self.device)
-        self.host_base, self.dev_base = self.pinned.data_ptr(), self.buf.data_ptr()
+        self.mapped = bool(mapped)
+        self.buf = None if self.mapped else torch.empty(capacity, dtype=torch.int64,
+                                                        device=self.device)
+        self.host_base = self.pinned.data_ptr()
+        self.dev_base = self.host_base if self.buf is None else self.buf.data_ptr()
         self._done = done or (lambda ev: ev.query())
         self._spare: list[tuple[Any, Any]] = []  # fallback (tensors, event) still in use
         self._pending: Any = None
@@ -277,14 +283,19 @@ class IdStage:
             self.view[off:off + n] = ids
             self._pending = None
             self.staged += 1
-            self.copier.copy(self.dev_base + 8 * off, self.host_base + 8 * off, 8 * n, stream)
+            if not self.mapped:
+                self.copier.copy(self.dev_base + 8 * off, self.host_base + 8 * off, 8 * n,
+                                 stream)
             return self.dev_base + 8 * off
         host = torch.from_numpy(np.array(ids, dtype=np.int64))
         if self.device.type == "cuda":
             host = host.pin_memory()
+        self.fallbacks += 1
+        if self.mapped:
+            self._pending = (host,)
+            return host.data_ptr()
         dev = torch.empty(n, dtype=torch.int64, device=self.device)
         self._pending = (host, dev)
-        self.fallbacks += 1
         self.copier.copy(dev.data_ptr(), host.data_ptr(), 8 * n, stream)
         return dev.data_ptr()
 

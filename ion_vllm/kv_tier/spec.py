@@ -56,6 +56,13 @@ kv_connector_extra_config keys:
                                 this skips the ring and is copied GPU -> host directly
                                 (a spill), as a bulk prompt store; smaller jobs (decode
                                 blocks) keep using the ring
+  gather_stream                 "own" (default) | "drain": the GPU -> ring gather on a
+                                stream of its own (at gather_priority), or queued on the
+                                drain stream, the stream direct GPU -> host copies use
+  gather_ids                    "device" (default) | "host": the gather kernel reads its
+                                block ids from a device buffer they are copied into, or
+                                from the pinned host buffer directly, so that a ring
+                                piece queues no host -> device copy (issue_api "raw")
   host_delay_us, host_delay_at  test-only (default 0, "submit"): extra busy host time
                                 per store job, in submit_store or in the next
                                 get_finished; a probe of what the tier's host time
@@ -76,7 +83,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.staging_ring import (
+    check_gather_ids,
     check_gather_priority,
+    check_gather_stream,
     check_host_delay,
     check_host_layout,
     check_id_upload,
@@ -209,6 +218,10 @@ class IonKVTierSpec(OffloadingSpec):
         self.drain_chunk_bytes, self.ring_max_job_blocks = check_ring_shape(
             float(extra.get("drain_chunk_kib", 0)), float(extra.get("ring_max_job_blocks", 0)),
             self.issue_api)
+        self.gather_stream = check_gather_stream(str(extra.get("gather_stream", "own")),
+                                                 "gather_stream")
+        self.gather_ids = check_gather_ids(str(extra.get("gather_ids", "device")),
+                                           self.issue_api, "gather_ids")
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(
@@ -224,12 +237,13 @@ class IonKVTierSpec(OffloadingSpec):
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
             "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s, "
             "id upload %s, issue api %s, gather priority %s, drain chunk %d B, "
-            "ring max job %d blocks",
+            "ring max job %d blocks, gather stream %s, gather ids %s",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
             self.load_copy, self.issue_at, self.id_upload, self.issue_api,
-            self.gather_priority, self.drain_chunk_bytes, self.ring_max_job_blocks)
+            self.gather_priority, self.drain_chunk_bytes, self.ring_max_job_blocks,
+            self.gather_stream, self.gather_ids)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -268,6 +282,8 @@ class IonKVTierSpec(OffloadingSpec):
                 gather_priority=self.gather_priority,
                 drain_chunk_bytes=self.drain_chunk_bytes,
                 ring_max_job_blocks=self.ring_max_job_blocks,
+                gather_stream=self.gather_stream,
+                gather_ids=self.gather_ids,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

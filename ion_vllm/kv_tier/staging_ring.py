@@ -72,6 +72,12 @@ HOST_DELAY_POINTS = ("submit", "finish")
 #: ``"high"`` (default): above vLLM's compute stream, so the gather's CTAs go first;
 #: ``"normal"``: the compute stream's priority.
 GATHER_PRIORITIES = ("high", "normal")
+#: ``gather_stream``: the GPU -> ring gather on its own stream (at ``gather_priority``), or
+#: on the drain stream, the stream the direct GPU -> host copies use
+GATHER_STREAMS = ("own", "drain")
+#: ``gather_ids``: where the gather kernel reads its block ids: a device buffer the ids are
+#: copied into (host -> device, on the gather's stream), or the pinned host buffer itself
+GATHER_IDS = ("device", "host")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], name: str) -> str:
@@ -117,6 +123,21 @@ def check_host_delay(us: float, at: str) -> tuple[float, str]:
 def check_gather_priority(choice: str, name: str = "gather_priority") -> str:
     """``choice`` if it is one of GATHER_PRIORITIES, else a ValueError naming ``name``."""
     return _check_choice(choice, GATHER_PRIORITIES, name)
+
+
+def check_gather_stream(choice: str, name: str = "gather_stream") -> str:
+    """``choice`` if it is one of GATHER_STREAMS, else a ValueError naming ``name``."""
+    return _check_choice(choice, GATHER_STREAMS, name)
+
+
+def check_gather_ids(choice: str, issue_api: str, name: str = "gather_ids") -> str:
+    """``choice`` if it is one of GATHER_IDS, else a ValueError naming ``name``; ``"host"``
+    needs ``issue_api="raw"`` (only the raw launch takes an id address)."""
+    choice = _check_choice(choice, GATHER_IDS, name)
+    if choice == "host" and issue_api != "raw":
+        raise ValueError(f"Ion KV tier: {name}='host' needs issue_api='raw' (the torch "
+                         f"path uploads ids as tensors), not {issue_api!r}")
+    return choice
 
 
 def check_ring_shape(drain_chunk_kib: float, ring_max_job_blocks: int,

@@ -32,10 +32,13 @@ Store (one job = the new full blocks of one request in one step)
 ``gather_priority`` "normal" puts (1) at the compute stream's priority instead of
 above it.  ``ring_max_job_blocks`` > 0 keeps jobs of more blocks than that off the
 ring: they are copied GPU -> host directly, as a spill (below), and only smaller jobs
-(a decode step's new block, a returning turn's few new blocks) use the ring.  The
-twenty-sixth session measured a bulk prompt store through the ring costing the
-forward pass ~1% more time than the same store copied directly (``bench/notes.md``);
-these three options are the suspects, measured apart.
+(a decode step's new block, a returning turn's few new blocks) use the ring.
+``gather_stream`` "drain" queues (1) on the drain stream instead of a stream of its own;
+``gather_ids`` "host" lets the gather kernel read its block ids from pinned host memory,
+so that (1) is one kernel launch with no host -> device copy in front of it.  The
+twenty-sixth and twenty-seventh sessions measured the ring path costing the forward
+pass ~1 ms of wall time per ring piece, whatever its size, against the same blocks
+copied directly (``bench/notes.md``); these options are the suspects, measured apart.
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
 
@@ -180,7 +183,9 @@ from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.raw_issue import CudaMemcpy, HostMemmove, IdStage, PointerDrain
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
+    check_gather_ids,
     check_gather_priority,
+    check_gather_stream,
     check_host_delay,
     check_host_layout,
     check_id_upload,
@@ -626,6 +631,8 @@ class IonKVTierWorker(OffloadingWorker):
         gather_priority: str = "high",
         drain_chunk_bytes: int = 0,
         ring_max_job_blocks: int = 0,
+        gather_stream: str = "own",
+        gather_ids: str = "device",
     ):
         self.overflow = check_overflow(overflow)
         self.issue_api = check_issue_api(issue_api)
@@ -633,6 +640,8 @@ class IonKVTierWorker(OffloadingWorker):
         self.gather_priority = check_gather_priority(gather_priority)
         self.drain_chunk_bytes, self.ring_max_job_blocks = check_ring_shape(
             drain_chunk_bytes / 1024, ring_max_job_blocks, self.issue_api)
+        self.gather_stream = check_gather_stream(gather_stream)
+        self.gather_ids = check_gather_ids(gather_ids, self.issue_api)
         # test-only host-time probe (spec keys host_delay_us / host_delay_at): extra host
         # time per store job, spent in submit_store or in the next get_finished
         us, self.host_delay_at = check_host_delay(host_delay_us, host_delay_at)
@@ -666,11 +675,16 @@ class IonKVTierWorker(OffloadingWorker):
             try:
                 self._ptr_copy = CudaMemcpy() if is_cuda else HostMemmove()
             except OSError as e:
+                unused = [k for k, on in (
+                    ("drain_chunk_kib: the torch drain copies whole runs",
+                     self.drain_chunk_bytes),
+                    ("gather_ids='host': the torch gather uploads its ids",
+                     self.gather_ids == "host")) if on]
                 logger.warning("Ion KV tier: issue_api='raw' needs the CUDA runtime "
                                "library (%s); issuing through PyTorch instead%s", e,
-                               " (drain_chunk_kib not applied: the torch drain copies "
-                               "whole runs)" if self.drain_chunk_bytes else "")
+                               f" (not applied: {'; '.join(unused)})" if unused else "")
                 raw, self.issue_api = False, "torch"
+                self.gather_ids = "device"
         self.rt = runtime if runtime is not None else (
             CudaRuntime(self.device, lean=raw) if is_cuda else SimRuntime(eager=True))
         if copier == "auto":
@@ -703,6 +717,10 @@ class IonKVTierWorker(OffloadingWorker):
             raise ValueError("Ion KV tier: a ring of no slots (ring 0 MiB) needs "
                              "overflow='direct': deferred blocks would wait forever")
         self._raw_ids = IdStage(self.device, self._ptr_copy) if raw and is_cuda else None
+        # gather_ids="host": the ring gather reads its ids from pinned memory (no copy)
+        self._gather_id_stage = (IdStage(self.device, self._ptr_copy, mapped=True)
+                                 if self._raw_ids is not None and self.gather_ids == "host"
+                                 else self._raw_ids)
         self._ptr_drain = PointerDrain(
             self.ring.buffer, self.host, self.host_layout, self.copier.placement,
             self.page_bytes, self._ptr_copy, chunk_bytes=self.drain_chunk_bytes,
@@ -715,8 +733,12 @@ class IonKVTierWorker(OffloadingWorker):
         logger.info("Ion KV tier: ring of %d slots (%d MiB), GPU -> ring by %s, "
                     "host -> GPU by %s", self.ring.num_slots, self.ring.nbytes >> 20,
                     self.ring_gather_impl, self.load_copy_impl)
-        self._d2d = self.rt.new_stream(high_priority=self.gather_priority == "high")
+        # gather_stream="drain": the gather (and flush bypasses) queue on the drain stream,
+        # the one stream the direct GPU -> host copies use (streams made in the same order)
+        own = self.gather_stream == "own"
+        d2d = self.rt.new_stream(high_priority=self.gather_priority == "high") if own else None
         self._drain = self.rt.new_stream(high_priority=False)
+        self._d2d = d2d if own else self._drain
         self._load = self.rt.new_stream(high_priority=False)
         self._queue: deque[_StoreJob] = deque()  # jobs with blocks not yet issued
         self._ring_pieces: deque[_Piece] = deque()  # holding ring slots, FIFO
@@ -785,7 +807,7 @@ class IonKVTierWorker(OffloadingWorker):
             return page_gather.PageGather(self.tensors, self.copier.group_refs,
                                           self.copier.placement, self.ring.buffer,
                                           staged_ids=self.id_upload == "staged",
-                                          raw_ids=self._raw_ids)
+                                          raw_ids=self._gather_id_stage)
 
         def prepare(gather):
             gather.warm_up()  # compile (Triton JIT) every group's kernel now
