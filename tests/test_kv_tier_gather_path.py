@@ -23,11 +23,7 @@ from ion_vllm.kv_tier.testing import KVModel, run_random_ops
 from ion_vllm.kv_tier.worker import IonKVTierWorker
 
 from tests.test_kv_tier_issue import _load, _store, _until_done
-
-
-class _Ev:
-    def __init__(self):
-        self.done = False
+from tests.test_kv_tier_raw_issue import put_while_pending, read_ids
 
 
 class _NoCopy:
@@ -35,12 +31,6 @@ class _NoCopy:
 
     def copy(self, dst, src, nbytes, stream):
         raise AssertionError("a mapped id stage queued a copy")
-
-
-def _read(addr: int, n: int) -> np.ndarray:
-    out = np.empty(n, dtype=np.int64)
-    ctypes.memmove(out.ctypes.data, addr, 8 * n)
-    return out
 
 
 def test_a_mapped_id_stage_hands_out_the_pinned_buffer_and_queues_no_copy():
@@ -53,19 +43,11 @@ def test_a_mapped_id_stage_hands_out_the_pinned_buffer_and_queues_no_copy():
                     mapped=True)
     assert stage.buf is None and stage.dev_base == stage.host_base
     lo, hi = stage.host_base, stage.host_base + 8 * 16
-    events, in_buf = [], []
-    for _ in range(8):
-        ids = rng.integers(0, 1000, int(rng.integers(1, 6)))
-        addr = stage.put(ids, "S")
-        assert addr % 16 == 0 and np.array_equal(_read(addr, len(ids)), ids)
-        in_buf.append(lo <= addr < hi)
-        ev = _Ev()
-        stage.hold(ev)
-        events.append((ev, addr, ids))
+    events, in_buf = put_while_pending(stage, rng, lo, hi)
     assert stage.staged > 0 and stage.fallbacks > 0
     assert in_buf[0] and not in_buf[-1]
     for _, addr, ids in events:  # nothing pending was overwritten
-        assert np.array_equal(_read(addr, len(ids)), ids)
+        assert np.array_equal(read_ids(addr, len(ids)), ids)
     for ev, _, _ in events:
         ev.done = True
     staged = stage.staged
@@ -87,7 +69,7 @@ def test_an_unmapped_id_stage_still_copies_into_its_device_buffer():
     addr = stage.put(np.array([5, 9, 2]), "S")
     assert stage.buf is not None and addr == stage.buf.data_ptr()
     assert calls == [(addr, stage.host_base, 24, "S")]
-    assert np.array_equal(_read(addr, 3), [5, 9, 2])
+    assert np.array_equal(read_ids(addr, 3), [5, 9, 2])
 
 
 def _worker(**kw):

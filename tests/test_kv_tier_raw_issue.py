@@ -103,6 +103,31 @@ class _Ev:
         self.done = False
 
 
+def read_ids(addr: int, n: int) -> np.ndarray:
+    """``n`` int64 ids read back from host address ``addr``."""
+    import ctypes
+
+    out = np.empty(n, dtype=np.int64)
+    ctypes.memmove(out.ctypes.data, addr, 8 * n)
+    return out
+
+
+def put_while_pending(stage, rng, lo: int, hi: int, puts: int = 8):
+    """``puts`` puts of 1-5 random ids into ``stage``, each held by an event left pending:
+    every put's address (16-byte aligned) holds its ids; returns the (event, address, ids)
+    of each and whether each address fell inside [lo, hi)."""
+    events, in_buf = [], []
+    for _ in range(puts):
+        ids = rng.integers(0, 1000, int(rng.integers(1, 6)))
+        addr = stage.put(ids, "S")
+        assert addr % 16 == 0 and np.array_equal(read_ids(addr, len(ids)), ids)
+        in_buf.append(lo <= addr < hi)
+        ev = _Ev()
+        stage.hold(ev)
+        events.append((ev, addr, ids))
+    return events, in_buf
+
+
 def test_id_stage_copies_ids_and_reuses_a_region_only_after_its_event():
     """Each put lands the ids at the returned address (read back through it); while the
     events of earlier puts are pending the buffer runs out and puts fall back to fresh
@@ -110,30 +135,13 @@ def test_id_stage_copies_ids_and_reuses_a_region_only_after_its_event():
     the buffer is used again."""
     rng = np.random.default_rng(3)
     stage = IdStage(torch.device("cpu"), HostMemmove(), capacity=16, done=lambda e: e.done)
-    events = []
-
-    def read(addr, n):
-        out = np.empty(n, dtype=np.int64)
-        import ctypes
-        ctypes.memmove(out.ctypes.data, addr, 8 * n)
-        return out
-
     lo, hi = stage.buf.data_ptr(), stage.buf.data_ptr() + 8 * 16
-    in_buf = []
-    for k in range(8):
-        ids = rng.integers(0, 1000, int(rng.integers(1, 6)))
-        addr = stage.put(ids, None)
-        assert addr % 16 == 0
-        assert np.array_equal(read(addr, len(ids)), ids)
-        in_buf.append(lo <= addr < hi)
-        ev = _Ev()
-        stage.hold(ev)
-        events.append((ev, addr, ids))
+    events, in_buf = put_while_pending(stage, rng, lo, hi)
     assert stage.fallbacks > 0 and stage.staged > 0
     assert in_buf[0] and not in_buf[-1]
     # nothing pending was overwritten, in the buffer or in a fallback tensor
     for ev, addr, ids in events:
-        assert np.array_equal(read(addr, len(ids)), ids)
+        assert np.array_equal(read_ids(addr, len(ids)), ids)
     for ev, _, _ in events:
         ev.done = True
     staged = stage.staged

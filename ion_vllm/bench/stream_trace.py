@@ -199,6 +199,18 @@ def _top(table: dict, top: int) -> list[dict]:
     return rows[:top]
 
 
+def idle_gaps(acts: list[dict], stream: str, gap_us: float):
+    """The idle gaps of at least ``gap_us`` between kernels of ``stream``: (gap start, gap
+    end, the kernel after the gap), in time order."""
+    cur_end = None
+    for a in acts:
+        if a["stream"] != stream or a["kind"] != "kernel":
+            continue
+        if cur_end is not None and a["start"] - cur_end >= gap_us:
+            yield cur_end, a["start"], a
+        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+
+
 def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float = 20.0,
                top: int = 12) -> dict:
     """The idle gaps of at least ``gap_us`` between kernels of ``stream``, each split by who
@@ -214,31 +226,26 @@ def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float =
     name likewise (count, summed us), the top ``top`` of each; ``ion_ranges``: every
     annotation of the Ion KV tier's entry points (``ion_vllm.kv_tier.trace_ranges``)."""
     launch = {e["corr"]: e for e in hosts if e["cat"] in LAUNCH_CATS and e["corr"] is not None}
-    ker = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
     res = {"gap_threshold_us": gap_us, "gaps": 0, "gap_us": 0.0, "host_late": 0,
            "host_late_us": 0.0, "device": 0, "device_us": 0.0, "unknown": 0,
            "unknown_us": 0.0}
     windows: list[tuple[float, float]] = []
-    cur_end = None
-    for a in ker:
-        if cur_end is not None and a["start"] - cur_end >= gap_us:
-            g0, g1 = cur_end, a["start"]
-            res["gaps"] += 1
-            res["gap_us"] += g1 - g0
-            ln = launch.get(a["corr"])
-            if ln is None:
-                res["unknown"] += 1
-                res["unknown_us"] += g1 - g0
-            elif ln["start"] > g0:
-                late_end = min(ln["start"], g1)
-                res["host_late"] += 1
-                res["host_late_us"] += late_end - g0
-                res["device_us"] += g1 - late_end
-                windows.append((g0, late_end))
-            else:
-                res["device"] += 1
-                res["device_us"] += g1 - g0
-        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+    for g0, g1, a in idle_gaps(acts, stream, gap_us):
+        res["gaps"] += 1
+        res["gap_us"] += g1 - g0
+        ln = launch.get(a["corr"])
+        if ln is None:
+            res["unknown"] += 1
+            res["unknown_us"] += g1 - g0
+        elif ln["start"] > g0:
+            late_end = min(ln["start"], g1)
+            res["host_late"] += 1
+            res["host_late_us"] += late_end - g0
+            res["device_us"] += g1 - late_end
+            windows.append((g0, late_end))
+        else:
+            res["device"] += 1
+            res["device_us"] += g1 - g0
     during: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     w_starts = [w[0] for w in windows]
     api: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
@@ -276,7 +283,6 @@ def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
     for each), most gap time first; ``alone`` / ``alone_us``: the gaps with no side work
     near; ``side_pieces``: per (stream, kind), how many activities there were in all, so
     that "near N gaps" reads against "of M pieces"."""
-    ker = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
     side = sorted((a for a in acts if a["stream"] != stream), key=lambda a: a["start"])
     starts = [a["start"] for a in side]
     by: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
@@ -286,27 +292,23 @@ def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
     max_len = max((a["end"] - a["start"] for a in side), default=0.0)
     res = {"gap_threshold_us": gap_us, "lead_us": lead_us, "gaps": 0, "gap_us": 0.0,
            "alone": 0, "alone_us": 0.0}
-    cur_end = None
-    for a in ker:
-        if cur_end is not None and a["start"] - cur_end >= gap_us:
-            g0, g1 = cur_end, a["start"]
-            res["gaps"] += 1
-            res["gap_us"] += g1 - g0
-            w0 = g0 - lead_us
-            near = set()
-            # side work overlapping [w0, g1): it starts before g1 and ends after w0
-            i = bisect.bisect_left(starts, w0 - max_len)
-            while i < len(side) and side[i]["start"] < g1:
-                if side[i]["end"] > w0:
-                    near.add((side[i]["stream"], side[i]["kind"]))
-                i += 1
-            for k in near:
-                by[k][0] += 1
-                by[k][1] += g1 - g0
-            if not near:
-                res["alone"] += 1
-                res["alone_us"] += g1 - g0
-        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+    for g0, g1, _ in idle_gaps(acts, stream, gap_us):
+        res["gaps"] += 1
+        res["gap_us"] += g1 - g0
+        w0 = g0 - lead_us
+        near = set()
+        # side work overlapping [w0, g1): it starts before g1 and ends after w0
+        i = bisect.bisect_left(starts, w0 - max_len)
+        while i < len(side) and side[i]["start"] < g1:
+            if side[i]["end"] > w0:
+                near.add((side[i]["stream"], side[i]["kind"]))
+            i += 1
+        for k in near:
+            by[k][0] += 1
+            by[k][1] += g1 - g0
+        if not near:
+            res["alone"] += 1
+            res["alone_us"] += g1 - g0
     res["by_side"] = [{"stream": k[0], "kind": k[1], "gaps": v[0], "gap_us": v[1],
                        "pieces": pieces[k]}
                       for k, v in sorted(by.items(), key=lambda kv: -kv[1][1])]
