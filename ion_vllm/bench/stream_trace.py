@@ -280,9 +280,9 @@ def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
     ``host_waits``), each matched with the other streams' activities that overlap the
     window from ``lead_us`` before the gap to its end.  ``by_side``: per (stream, kind) of
     side work, the gaps it was near and their summed length (a gap near several counts
-    for each), most gap time first; ``alone`` / ``alone_us``: the gaps with no side work
-    near; ``side_pieces``: per (stream, kind), how many activities there were in all, so
-    that "near N gaps" reads against "of M pieces"."""
+    for each) and ``pieces``, how many such activities there were in all (so that "near N
+    gaps" reads against "of M pieces"), most gap time first; ``alone`` / ``alone_us``: the
+    gaps with no side work near."""
     side = sorted((a for a in acts if a["stream"] != stream), key=lambda a: a["start"])
     starts = [a["start"] for a in side]
     by: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
