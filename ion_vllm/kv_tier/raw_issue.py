@@ -175,19 +175,15 @@ class PointerDrain:
         return out
 
     def __call__(self, start: int, host_ids: list[int], stream: Any) -> None:
-        copies = self.copies(start, host_ids)
-        c = self.chunk_bytes
-        if not c:
-            copy = self.copier.copy
-            for dst, src, n in copies:
-                copy(dst, src, n, stream)
-            return
-        dst, src, size = chunked(copies, c)
-        if self.batch is not None:
-            self.batch(src, dst, size, stream)
-            return
+        copies: Any = self.copies(start, host_ids)
+        if self.chunk_bytes:
+            dst, src, size = chunked(copies, self.chunk_bytes)
+            if self.batch is not None:
+                self.batch(src, dst, size, stream)
+                return
+            copies = zip(dst.tolist(), src.tolist(), size.tolist())
         copy = self.copier.copy
-        for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist()):
+        for d, s, n in copies:
             copy(d, s, n, stream)
 
 
