@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from ion_vllm.kv_tier.raw_issue import IdStage
-from ion_vllm.kv_tier.runtime import SimRuntime
 from ion_vllm.kv_tier.staging_ring import check_gather_ids, check_gather_stream
-from ion_vllm.kv_tier.testing import KVModel, run_random_ops
-from ion_vllm.kv_tier.worker import IonKVTierWorker
+from ion_vllm.kv_tier.testing import run_random_ops
 
 from tests.test_kv_tier_issue import _load, _store, _until_done
 from tests.test_kv_tier_raw_issue import put_while_pending, read_ids
+from tests.test_kv_tier_ring_shape import _rig
 
 
 class _NoCopy:
@@ -73,20 +72,9 @@ def test_an_unmapped_id_stage_still_copies_into_its_device_buffer():
 
 
 def _worker(**kw):
-    kvm = KVModel("ion", 24, seed=5)
-    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
-    streams = []
-
-    class Rt(SimRuntime):
-        def new_stream(self, high_priority=False):
-            streams.append(high_priority)
-            return super().new_stream(high_priority=high_priority)
-
-    rt = Rt(eager=False)
-    w = IonKVTierWorker(kvm.canonical, num_host_blocks=16, ring_bytes=8 * slot, runtime=rt,
-                        copier="torch", pin_memory=False, log_interval_s=0,
-                        issue_at="submit", **kw)
-    return kvm, rt, w, streams
+    """``_rig``'s worker, with the priority flags of the streams its runtime made."""
+    kvm, rt, w = _rig(**kw)
+    return kvm, rt, w, rt.made
 
 
 def test_gather_stream_drain_queues_the_gather_on_the_drain_stream():

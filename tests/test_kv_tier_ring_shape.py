@@ -96,10 +96,23 @@ def test_chunked_drain_goes_through_batch_in_one_call():
     assert np.array_equal(src, s) and np.array_equal(dst, d) and np.array_equal(sizes, z)
 
 
+class StreamLog(SimRuntime):
+    """A simulated runtime that also records, in ``made``, the priority flag of each stream
+    made, in order."""
+
+    def __init__(self, eager=False):
+        super().__init__(eager=eager)
+        self.made = []
+
+    def new_stream(self, high_priority=False):
+        self.made.append(high_priority)
+        return super().new_stream(high_priority=high_priority)
+
+
 def _rig(ring_slots=8, **kw):
     kvm = KVModel("ion", 24, seed=3)
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
-    rt = SimRuntime(eager=False)
+    rt = StreamLog(eager=False)
     w = IonKVTierWorker(kvm.canonical, num_host_blocks=16, ring_bytes=ring_slots * slot,
                         runtime=rt, copier="torch", pin_memory=False, log_interval_s=0,
                         issue_at="submit", **kw)
@@ -138,18 +151,8 @@ def test_without_a_bound_the_same_job_uses_the_ring():
 
 @pytest.mark.parametrize("prio,high", [("high", True), ("normal", False)])
 def test_gather_priority_sets_the_gather_stream(prio, high):
-    seen = []
-
-    class Rt(SimRuntime):
-        def new_stream(self, high_priority=False):
-            seen.append(high_priority)
-            return super().new_stream(high_priority=high_priority)
-
-    kvm = KVModel("ion", 8, seed=1)
-    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
-    IonKVTierWorker(kvm.canonical, num_host_blocks=4, ring_bytes=2 * slot,
-                    runtime=Rt(eager=False), copier="torch", pin_memory=False,
-                    log_interval_s=0, gather_priority=prio)
+    _, rt, _ = _rig(gather_priority=prio)
+    seen = rt.made
     assert seen[0] is high and not any(seen[1:])  # gather first; drain and load normal
 
 
