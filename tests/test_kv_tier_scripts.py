@@ -221,3 +221,37 @@ def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
     for run in (eager, prompt_only):
         assert 0 <= run["flushed_in_own_step"] <= run["flushed_jobs"]
     assert "flushed jobs" in r.stdout
+
+
+def test_kv_tier_pick_chooses_only_a_candidate_near_the_control(tmp_path):
+    """The chain's turn-1 -> 3-turn hand-off: the fastest candidate wins only when its
+    mean is within the margin of the control's; a missing control is an error (exit 2),
+    not a silent "no winner"."""
+    pick = load_script("kv_tier_pick.py", "kv_tier_pick_script")
+
+    def rec(name, wall):
+        return {"config": name, "wall_s": wall}
+
+    recs = [rec("ion-noring", 36.30), rec("ion-noring", 36.40),
+            rec("ion-hostids", 36.80), rec("ion-hostids", 36.90),
+            rec("ion-gather-drain", 36.40), rec("ion-gather-drain", 36.50)]
+    cands = ["ion-hostids", "ion-gather-drain"]
+    assert pick.mean_walls(recs)["ion-noring"] == pytest.approx(36.35)
+    assert pick.pick(recs, "ion-noring", cands, 0.2) == "ion-gather-drain"
+    assert pick.pick(recs, "ion-noring", cands, 0.05) is None
+    assert pick.pick(recs[:4], "ion-noring", cands, 0.2) is None  # hostids +0.5 s
+    with pytest.raises(LookupError):
+        pick.pick(recs[2:], "ion-noring", cands, 0.2)
+    with pytest.raises(LookupError):
+        pick.pick(recs[:2], "ion-noring", cands, 0.2)
+
+    (tmp_path / "repeats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = [sys.executable, os.path.join(os.path.dirname(pick.__file__), "kv_tier_pick.py"),
+            str(tmp_path), "--control", "ion-noring", "--candidates", ",".join(cands)]
+    out = subprocess.run(args + ["--within", "0.2"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout.strip()) == (0, "ion-gather-drain")
+    out = subprocess.run(args + ["--within", "0.01"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout.strip()) == (0, "")
+    out = subprocess.run(args[:-4] + ["--control", "native", "--candidates", "ion",
+                                      "--within", "1"], capture_output=True, text=True)
+    assert out.returncode == 2 and "control" in out.stderr
