@@ -37,7 +37,9 @@ none of the three moved turn 1 (twenty-seventh session: the cost follows ring pi
 ms each, not bytes), so two more: `ion-hostids` (gather_ids=host: the gather kernel reads
 its block ids from pinned host memory, no host -> device copy per piece) and
 `ion-gather-drain` (gather_stream=drain: the gather queued on the drain stream, no stream
-of its own).
+of its own); and `ion-batch` (store_batch_blocks=8, store_batch_steps=32: decode stores
+held and issued together, about four to a ring piece at this workload's rate of one store
+every ~8 steps), which tests the per-piece reading without naming the mechanism.
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -105,6 +107,7 @@ ION_CONFIGS = {
     "ion-ringsmall": {"ring_max_job_blocks": 4},
     "ion-hostids": {"gather_ids": "host"},
     "ion-gather-drain": {"gather_stream": "drain"},
+    "ion-batch": {"store_batch_blocks": 8, "store_batch_steps": 32},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

@@ -311,3 +311,18 @@ def test_raw_issue_roundtrip_through_the_engine_default_runtime():
     for c, r in zip(caches, ref):
         assert torch.equal(c[gpu], r)
     assert w.stats.d2d_blocks > 0 and w.stats.spill_blocks > 0  # ring and direct paths
+
+
+@pytest.mark.gpu
+def test_random_ops_cuda_store_batching():
+    """Store batching on CUDA streams: held one-block jobs issued together as one ring
+    piece (one gather over several requests' blocks, one drain), with flushes and
+    preemptions of held jobs; every restored block verified, and batches formed."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+
+    r = run_random_ops(48, 3000, copier="batch", device="cuda",
+                       runtime=CudaRuntime(torch.device("cuda"), lean=True), issue_api="raw",
+                       worker_kw={"store_batch_blocks": 4, "store_batch_steps": 3})
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["store_batches"] > 0 and r.worker_stats["d2d_blocks"] > 0

@@ -63,6 +63,12 @@ kv_connector_extra_config keys:
                                 block ids from a device buffer they are copied into, or
                                 from the pinned host buffer directly, so that a ring
                                 piece queues no host -> device copy (issue_api "raw")
+  store_batch_blocks            default 0 (off): store jobs of fewer blocks than this
+                                (decode blocks) are held and issued together, one
+                                gather and drain for all, once they hold this many
+                                blocks or the oldest has waited store_batch_steps
+  store_batch_steps             default 8: engine steps a held store job waits at most
+                                (a flush of it by vLLM issues it at once; worker.py)
   host_delay_us, host_delay_at  test-only (default 0, "submit"): extra busy host time
                                 per store job, in submit_store or in the next
                                 get_finished; a probe of what the tier's host time
@@ -95,6 +101,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_overflow,
     check_ring_gather,
     check_ring_shape,
+    check_store_batch,
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import add_process_counters, metric_definitions, process_counter_values
@@ -222,6 +229,8 @@ class IonKVTierSpec(OffloadingSpec):
                                                  "gather_stream")
         self.gather_ids = check_gather_ids(str(extra.get("gather_ids", "device")),
                                            self.issue_api, "gather_ids")
+        self.store_batch_blocks, self.store_batch_steps = check_store_batch(
+            float(extra.get("store_batch_blocks", 0)), float(extra.get("store_batch_steps", 8)))
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(
@@ -237,13 +246,15 @@ class IonKVTierSpec(OffloadingSpec):
             "writeback window %d blocks, prompt_only=%s, ring overflow %s, "
             "store completion %s, host layout %s, ring gather %s, load copy %s, issue at %s, "
             "id upload %s, issue api %s, gather priority %s, drain chunk %d B, "
-            "ring max job %d blocks, gather stream %s, gather ids %s",
+            "ring max job %d blocks, gather stream %s, gather ids %s, "
+            "store batch %d blocks / %d steps",
             self.host_bytes / 2**30, self.num_host_blocks, self.block_bytes,
             self.ring_bytes >> 20, self.max_inflight_blocks, self.offload_prompt_only,
             self.ring_overflow, self.store_completion, self.host_layout, self.ring_gather,
             self.load_copy, self.issue_at, self.id_upload, self.issue_api,
             self.gather_priority, self.drain_chunk_bytes, self.ring_max_job_blocks,
-            self.gather_stream, self.gather_ids)
+            self.gather_stream, self.gather_ids, self.store_batch_blocks,
+            self.store_batch_steps)
 
     def get_manager(self) -> IonKVTierManager:
         if self._manager is None:
@@ -284,6 +295,8 @@ class IonKVTierSpec(OffloadingSpec):
                 ring_max_job_blocks=self.ring_max_job_blocks,
                 gather_stream=self.gather_stream,
                 gather_ids=self.gather_ids,
+                store_batch_blocks=self.store_batch_blocks,
+                store_batch_steps=self.store_batch_steps,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -160,6 +160,16 @@ def check_ring_shape(drain_chunk_kib: float, ring_max_job_blocks: int,
     return chunk, int(ring_max_job_blocks)
 
 
+def check_store_batch(blocks: float, steps: float) -> tuple[int, int]:
+    """(blocks, steps) of store batching, checked: ``blocks`` a whole number >= 0 (0:
+    off), ``steps`` a whole number >= 1; else a ValueError naming the key."""
+    for name, v, low in (("store_batch_blocks", blocks, 0), ("store_batch_steps", steps, 1)):
+        if int(v) != v or v < low:
+            raise ValueError(f"Ion KV tier: {name} must be a whole number >= {low}, "
+                             f"not {v!r}")
+    return int(blocks), int(steps)
+
+
 def check_id_upload(choice: str, name: str = "id_upload") -> str:
     """``choice`` if it is one of ID_UPLOADS, else a ValueError naming ``name``."""
     return _check_choice(choice, ID_UPLOADS, name)

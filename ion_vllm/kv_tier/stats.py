@@ -265,6 +265,8 @@ class WorkerStats:
     spill_bytes: int = 0
     spill_seconds: float = 0.0
     deferred_blocks: int = 0  # blocks that had to wait for ring space
+    store_batches: int = 0  # store batching: held jobs issued together as one
+    batched_store_jobs: int = 0  # ... the jobs in them
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     load_seconds: float = 0.0

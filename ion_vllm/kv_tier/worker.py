@@ -42,6 +42,18 @@ copied directly (``bench/notes.md``); these options are the suspects, measured a
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
 
+Store batching (``store_batch_blocks`` K > 0; off by default): a store job of fewer than
+K blocks (a decode step's new block) is held, not issued; the held jobs are issued
+together as one job (one gather and one drain, or one direct copy) once they hold K
+blocks, once the oldest has been held ``store_batch_steps`` engine steps (``get_finished``
+calls), before any job of K blocks or more (submission order is kept), and at once when
+vLLM flushes (``wait``) one of them.  Each is still reported finished under its own id.
+Holding is safe because vLLM keeps a store's source blocks until the store is reported
+finished; the issued copies wait for the compute stream as it is when they are issued
+(or, under ``issue_at="finish"``, for the newest held job's mark), which is later than
+the work that wrote the blocks.  It tests the per-piece reading above without naming the
+mechanism: K held decode stores cost one ring piece instead of K.
+
 When a store job is reported finished (``get_finished``; ``completion``):
 * ``"read"`` (default): once every GPU source block has been read, i.e. after the
   D2D copy of a ring piece and after the PCIe copy of a direct piece.  vLLM 0.26
@@ -195,6 +207,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_overflow,
     check_ring_gather,
     check_ring_shape,
+    check_store_batch,
     check_store_completion,
 )
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
@@ -554,6 +567,8 @@ class _StoreJob:
     # issue_at="finish": the compute stream's end at submit time (rt.mark_current); the
     # job's copies wait for it, not for whatever the compute stream holds when issued
     after: Any = None
+    # store batching: the held jobs (job_id, nbytes) this job issues as one; None: itself
+    members: list[tuple[int, int]] | None = None
 
     @property
     def n(self) -> int:
@@ -633,6 +648,8 @@ class IonKVTierWorker(OffloadingWorker):
         ring_max_job_blocks: int = 0,
         gather_stream: str = "own",
         gather_ids: str = "device",
+        store_batch_blocks: int = 0,
+        store_batch_steps: int = 8,
     ):
         self.overflow = check_overflow(overflow)
         self.issue_api = check_issue_api(issue_api)
@@ -642,6 +659,13 @@ class IonKVTierWorker(OffloadingWorker):
             drain_chunk_bytes / 1024, ring_max_job_blocks, self.issue_api)
         self.gather_stream = check_gather_stream(gather_stream)
         self.gather_ids = check_gather_ids(gather_ids, self.issue_api)
+        self.store_batch_blocks, self.store_batch_steps = check_store_batch(
+            store_batch_blocks, store_batch_steps)
+        self._held: list[_StoreJob] = []  # store batching: small jobs not yet issued
+        self._held_blocks = 0
+        self._held_age = 0  # get_finished calls since the oldest held job came
+        self._batch_of: dict[int, int] = {}  # job id -> key of the batch that issued it
+        self._next_batch_key = -1  # batches are keyed apart from vLLM's job ids (>= 0)
         # test-only host-time probe (spec keys host_delay_us / host_delay_at): extra host
         # time per store job, spent in submit_store or in the next get_finished
         us, self.host_delay_at = check_host_delay(host_delay_us, host_delay_at)
@@ -881,7 +905,46 @@ class IonKVTierWorker(OffloadingWorker):
         return True
 
     def _issue_store(self, job: _StoreJob) -> None:
+        k = self.store_batch_blocks
+        if k and job.n < k:
+            if not self._held:
+                self._held_age = 0
+            self._held.append(job)
+            self._held_blocks += job.n
+            if self._held_blocks >= k:
+                self._release_held()
+            return
+        self._release_held()  # held jobs first: submission order
         self._queue.append(job)
+        self._pump()
+
+    def _release_held(self) -> None:
+        """Issue the held store jobs (store batching) as one job: their blocks in one
+        gather and drain (or one direct copy), grouped by KV group, keyed apart from
+        vLLM's ids; ``get_finished`` reports each member under its own id."""
+        held = self._held
+        if not held:
+            return
+        self._held, self._held_blocks = [], 0
+        if len(held) == 1:
+            unit = held[0]
+        else:
+            groups = np.concatenate([j.groups for j in held])
+            order = np.argsort(groups, kind="stable")
+            key = self._next_batch_key
+            self._next_batch_key -= 1
+            unit = _StoreJob(key, groups[order],
+                             np.concatenate([j.gpu for j in held])[order],
+                             np.concatenate([j.host for j in held])[order],
+                             sum(j.nbytes for j in held), after=held[-1].after,
+                             members=[(j.job_id, j.nbytes) for j in held])
+            for j in held:
+                del self._stores[j.job_id]
+                self._batch_of[j.job_id] = key
+            self._stores[key] = unit
+            self.stats.store_batches += 1
+            self.stats.batched_store_jobs += len(held)
+        self._queue.append(unit)
         self._pump()
 
     def _after_compute(self, stream: Any, job: _StoreJob) -> None:
@@ -1162,6 +1225,10 @@ class IonKVTierWorker(OffloadingWorker):
             _spin(self._host_delay_s * self._host_delay_owed)
             self._host_delay_owed = 0
         self._issue_submitted()
+        if self._held:
+            self._held_age += 1
+            if self._held_age >= self.store_batch_steps:
+                self._release_held()
         self._pump()
         rt = self.rt
         out: list[TransferResult] = []
@@ -1184,8 +1251,12 @@ class IonKVTierWorker(OffloadingWorker):
                 else:
                     secs += rt.elapsed(p.start, p.end)
             del self._stores[jid]
-            out.append(TransferResult(job_id=jid, success=True,
-                                      transfer_size=job.nbytes, transfer_time=secs))
+            for mid, nb in job.members or [(jid, job.nbytes)]:
+                # a batch's time is shared by bytes (vLLM sums it per job)
+                out.append(TransferResult(job_id=mid, success=True, transfer_size=nb,
+                                          transfer_time=secs * nb / job.nbytes
+                                          if job.nbytes else secs))
+                self._batch_of.pop(mid, None)
         for jid, ld in list(self._loads.items()):
             if rt.query(ld.end):
                 if self.verify:
@@ -1208,12 +1279,14 @@ class IonKVTierWorker(OffloadingWorker):
         """Return once the GPU source blocks of these jobs may be reused (stores)
         or the loaded blocks are in place (loads)."""
         self._issue_submitted()
+        if any(j.job_id in job_ids for j in self._held):
+            self._release_held()
         for jid in job_ids:
             ld = self._loads.get(jid)
             if ld is not None:
                 self.rt.sync(ld.end)
                 continue
-            job = self._stores.get(jid)
+            job = self._stores.get(self._batch_of.get(jid, jid))
             if job is None:
                 continue
             if job.next_item < job.n:
@@ -1228,6 +1301,7 @@ class IonKVTierWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._issue_submitted()
+        self._release_held()
         for job in list(self._stores.values()):
             for p in job.pieces:
                 self.rt.sync(p.end)
@@ -1251,3 +1325,6 @@ class IonKVTierWorker(OffloadingWorker):
         a.check()
         assert a.used * self.slot_bytes <= self.ring.nbytes, "staging ring overflow"
         assert sum(p.count for p in self._ring_pieces) == a.used, "ring slot leak"
+        assert self._held_blocks == sum(j.n for j in self._held), "held block count"
+        assert all(j.job_id in self._stores and not j.pieces for j in self._held)
+        assert all(k in self._stores for k in self._batch_of.values()), "lost batch"
