@@ -27,7 +27,16 @@ any wait behind the bulk copy.  Bulk modes:
   from the pinned host buffer through its unified address (SM stores or loads over
   PCIe);
 
-with ``<dir>`` = ``d2h`` or ``h2d``.  Probes: ``d2h-4k`` (sampled tokens) and
+with ``<dir>`` = ``d2h`` or ``h2d``; and
+
+* ``gated-<dir>-<MS>``: no bulk at all: one 64 KiB copy on the bulk stream that first
+  waits for an event behind a GPU spin of ``MS`` ms on a third stream (the compute
+  stream's step).  This is the KV tier's ring piece: its block-id copy (host -> GPU)
+  waits for the compute stream before it can start.  If the probes wait ~``MS`` ms too,
+  a copy blocked on another stream's event holds up every later copy of its direction,
+  and the engine's next-step input copies queue behind the tier's id copies.
+
+Probes: ``d2h-4k`` (sampled tokens) and
 ``h2d-64k`` (step inputs, followed by a one-element kernel on the same stream, as the
 step's first kernel would be).  For each pair it reports the probes' median / p90
 latency during the bulk copy (host clock: issue to completion), the bulk's own GB/s,
@@ -126,6 +135,38 @@ class Bench:
         self.p_h2d_dst = torch.empty(16384, dtype=torch.int32, device=dev)
         self._work_src = torch.randn(1 << 28, device=dev)  # 1 GiB
         self._work_dst = torch.empty_like(self._work_src)
+        self.gate_stream = torch.cuda.Stream(priority=0)
+        self.g_host = torch.randint(0, 1 << 30, (16384,), dtype=torch.int32).pin_memory()
+        self.g_dev = torch.randint(0, 1 << 30, (16384,), dtype=torch.int32, device=dev)
+        self._cycles_per_ms: float | None = None
+
+    def cycles_per_ms(self) -> float:
+        """GPU clock cycles per ms of ``torch.cuda._sleep``, measured once (events)."""
+        if self._cycles_per_ms is None:
+            n = 2_000_000
+            torch.cuda._sleep(n)  # warm
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.cuda._sleep(n)
+            e1.record()
+            e1.synchronize()
+            self._cycles_per_ms = n / e0.elapsed_time(e1)
+        return self._cycles_per_ms
+
+    def issue_gated(self, d2h: bool, ms: float) -> None:
+        """A 64 KiB copy on the bulk stream, ordered after a GPU spin of ``ms`` ms on the
+        gate stream (an event wait, as the tier orders its copies after the compute
+        stream)."""
+        with torch.cuda.stream(self.gate_stream):
+            torch.cuda._sleep(int(ms * self.cycles_per_ms()))
+        gate = torch.cuda.Event()
+        gate.record(self.gate_stream)
+        self.bulk_stream.wait_event(gate)
+        with torch.cuda.stream(self.bulk_stream):
+            if d2h:
+                self.g_host.copy_(self.g_dev, non_blocking=True)
+            else:
+                self.g_dev.copy_(self.g_host, non_blocking=True)
 
     # ------------------------------------------------------------------ bulk
     def issue_bulk(self, mode: str) -> threading.Thread | None:
@@ -135,6 +176,9 @@ class Bench:
         if mode == "none":
             return None
         parts = mode.split("-")
+        if parts[0] == "gated":
+            self.issue_gated(parts[1] == "d2h", float(parts[2]))
+            return None
         d2h = parts[0] == "d2h"
         src, dst = (self.gpu_src, self.host) if d2h else (self.host, self.gpu_dst)
         if parts[1] == "paced":
@@ -325,8 +369,9 @@ def main() -> int:
                    if m.startswith("d2h-batch-")})
     rows = []
     for m in args.modes.split(","):
-        row = {"mode": m, "bulk_gbps": None if m == "none" else b.bulk_gbps(m),
-               "compute_slowdown": b.compute_slowdown(m)}
+        no_bulk = m == "none" or m.startswith("gated-")  # a gated copy is 64 KiB
+        row = {"mode": m, "bulk_gbps": None if no_bulk else b.bulk_gbps(m),
+               "compute_slowdown": None if no_bulk else b.compute_slowdown(m)}
         for p in args.probes.split(","):
             row[p] = b.probe_during(m, p)
         rows.append(row)

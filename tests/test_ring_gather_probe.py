@@ -56,3 +56,15 @@ def test_the_copy_probe_cuts_a_batch_into_pieces_covering_the_bulk():
     assert z.tolist() == [128, 128, 44]
     s, d, z = p.batch_pieces(0, 0, 256 << 20, 128 << 10)
     assert len(z) == 2048 and int(z.sum()) == 256 << 20 and int(z.max()) == 128 << 10
+
+
+def test_the_copy_probe_reads_a_gated_mode_as_direction_and_gate_time():
+    """``gated-<dir>-<MS>``: one small copy behind a GPU spin on another stream (the
+    ring piece's id copy behind the compute stream), parsed into its direction and ms;
+    it has no bulk rate or compute slowdown to report."""
+    p = load_script("copy_contention_probe.py", "copy_contention_probe")
+    b = object.__new__(p.Bench)
+    calls = []
+    b.issue_gated = lambda d2h, ms: calls.append((d2h, ms))
+    assert b.issue_bulk("gated-h2d-5") is None and b.issue_bulk("gated-d2h-2.5") is None
+    assert calls == [(False, 5.0), (True, 2.5)]
