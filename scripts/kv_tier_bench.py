@@ -39,7 +39,10 @@ its block ids from pinned host memory, no host -> device copy per piece) and
 `ion-gather-drain` (gather_stream=drain: the gather queued on the drain stream, no stream
 of its own); and `ion-batch` (store_batch_blocks=8, store_batch_steps=32: decode stores
 held and issued together, about four to a ring piece at this workload's rate of one store
-every ~8 steps), which tests the per-piece reading without naming the mechanism.
+every ~8 steps), which tests the per-piece reading without naming the mechanism. None of
+the three moved turn 1 either (twenty-eighth session: the cost does not follow pieces), so
+`ion-ring1` (ring_mib=4: a ring of one slot, which only one-block jobs fit, one at a time)
+asks whether it follows the ring's size, with `ion-cegather` (no gather kernel).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -108,6 +111,7 @@ ION_CONFIGS = {
     "ion-hostids": {"gather_ids": "host"},
     "ion-gather-drain": {"gather_stream": "drain"},
     "ion-batch": {"store_batch_blocks": 8, "store_batch_steps": 32},
+    "ion-ring1": {"ring_mib": 4},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
@@ -420,10 +424,11 @@ def run_child(cfg: dict) -> dict:
             return json.load(f)
 
 
-def run_colocated(base: dict, names: list[str], on_result) -> None:
+def run_colocated(base: dict, names: list[str], on_result, rotate: bool = True) -> None:
     """--colocate: every config's engine starts at once (each planning for 1/n of the GPU
     memory; separate compile caches); once all are up, they measure one at a time, the
-    repeats interleaved (config order, once per repeat; see ion_vllm.bench.start_gate).
+    repeats interleaved (once per repeat, in the config order, rotated by one each round
+    with ``rotate``; see ion_vllm.bench.start_gate).
     ``on_result(result)`` gets each config's result dict."""
     from ion_vllm.bench.start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
 
@@ -447,7 +452,7 @@ def run_colocated(base: dict, names: list[str], on_result) -> None:
 
         # --profile-dir: one more round, the profiled wave (see child)
         rounds = base.get("repeats", 1) + (1 if base.get("profile_dir") else 0)
-        run_gated(children, d, on_done=done, rounds=rounds)
+        run_gated(children, d, on_done=done, rounds=rounds, rotate=rotate)
 
 
 def fmt(v, nd=1):
@@ -713,6 +718,10 @@ def main() -> int:
                          "memory), then measure them one at a time: saves (n-1) engine "
                          "starts of device time; the measured config has the GPU's compute "
                          "and PCIe to itself")
+    ap.add_argument("--order", choices=("rotate", "fixed"), default="rotate",
+                    help="--colocate: the configs' order in each round; rotate (round r "
+                         "starts at config r mod n: no config always runs first) or fixed "
+                         "(the --configs order every round, as before 2026-12-06)")
     ap.add_argument("--profile-dir", default=None,
                     help="after the timed repeats, profile one untimed wave of turn 1 per "
                          "config with vLLM's torch profiler (traces under DIR/<config>) and "
@@ -784,7 +793,7 @@ def main() -> int:
 
     names = args.configs.split(",")
     if args.colocate:
-        run_colocated(base, names, record)
+        run_colocated(base, names, record, rotate=args.order == "rotate")
     else:
         for name in names:
             print(f"== {name}", flush=True)

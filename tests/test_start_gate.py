@@ -141,3 +141,16 @@ def test_engine_env_gives_each_engine_its_own_compile_cache(tmp_path):
     assert a["VLLM_CACHE_ROOT"].startswith(str(tmp_path)) and b == {
         "X": "1", "VLLM_CACHE_ROOT": str(tmp_path / "cache-b")}
     assert a.get("PATH") == os.environ.get("PATH")  # the base is the process environment
+
+
+def test_rotated_rounds_start_at_the_next_child_each_round(tmp_path):
+    """rotate=True: a0 b0 c0, b1 c1 a1, c2 a2 b2 (every child in every place once over
+    three rounds), still one at a time; rotate=False keeps the given order."""
+    kids = [_child(tmp_path, n, 0.0, 0.05, rounds=3) for n in "abc"]
+    rcs = run_gated(kids, str(tmp_path / "gate"), poll_s=0.01, log=lambda s: None,
+                    rounds=3, rotate=True)
+    assert rcs == {"a": 0, "b": 0, "c": 0}
+    log = _log(tmp_path)
+    assert [r[0] for r in sorted(log, key=lambda r: r[1])] == [
+        "a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2"]
+    _no_overlaps(log)

@@ -73,10 +73,12 @@ class GatedChild:
 def run_gated(children: Sequence[GatedChild], gate_dir: str,
               on_done: Callable[[str, int], None] | None = None,
               poll_s: float = 0.1, log: Callable[[str], None] = print,
-              rounds: int = 1) -> dict[str, int]:
+              rounds: int = 1, rotate: bool = False) -> dict[str, int]:
     """Start every child at once; once all are ready (or dead), release them one at a
     time, ``rounds`` times over in the given order (each child calls ``ready_then_wait``
-    once per round); return each child's exit code.  ``on_done(name, rc)`` runs when a
+    once per round); return each child's exit code.  ``rotate``: round r starts at child
+    r mod n (a b c, b c a, c a b, ...), so that no child always runs first or always
+    after the same one; with rounds a multiple of n every child takes every place once.  ``on_done(name, rc)`` runs when a
     child exits (e.g. to write partial results).  Children still running when this
     raises are killed."""
     if rounds < 1:
@@ -113,7 +115,8 @@ def run_gated(children: Sequence[GatedChild], gate_dir: str,
             if not ready(c.name, 0):
                 reap(c.name)
         for r in range(rounds):
-            for c in children:
+            k = r % len(children) if rotate and children else 0
+            for c in [*children[k:], *children[:k]]:
                 if c.name in rcs:
                     continue
                 if not ready(c.name, r):  # it exited during the previous round
