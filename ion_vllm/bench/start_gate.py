@@ -78,9 +78,9 @@ def run_gated(children: Sequence[GatedChild], gate_dir: str,
     time, ``rounds`` times over in the given order (each child calls ``ready_then_wait``
     once per round); return each child's exit code.  ``rotate``: round r starts at child
     r mod n (a b c, b c a, c a b, ...), so that no child always runs first or always
-    after the same one; with rounds a multiple of n every child takes every place once.  ``on_done(name, rc)`` runs when a
-    child exits (e.g. to write partial results).  Children still running when this
-    raises are killed."""
+    after the same one; with rounds a multiple of n every child takes every place once.
+    ``on_done(name, rc)`` runs when a child exits (e.g. to write partial results).
+    Children still running when this raises are killed."""
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
     os.makedirs(gate_dir, exist_ok=True)

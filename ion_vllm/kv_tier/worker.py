@@ -38,7 +38,8 @@ ring: they are copied GPU -> host directly, as a spill (below), and only smaller
 so that (1) is one kernel launch with no host -> device copy in front of it.  The
 twenty-sixth and twenty-seventh sessions measured the ring path costing the forward
 pass ~1 ms of wall time per ring piece, whatever its size, against the same blocks
-copied directly (``bench/notes.md``); these options are the suspects, measured apart.
+copied directly (``bench/notes.md``); these options were the suspects, measured apart in
+the twenty-eighth session: none changed that cost (it follows neither pieces nor bytes).
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
 
@@ -52,7 +53,9 @@ Holding is safe because vLLM keeps a store's source blocks until the store is re
 finished; the issued copies wait for the compute stream as it is when they are issued
 (or, under ``issue_at="finish"``, for the newest held job's mark), which is later than
 the work that wrote the blocks.  It tests the per-piece reading above without naming the
-mechanism: K held decode stores cost one ring piece instead of K.
+mechanism: K held decode stores cost one ring piece instead of K.  Measured on the H100
+(twenty-eighth session): about five decode stores a piece, a third of the pieces, and turn
+1 as slow as without it; so the ring's cost is not per piece, and batching stays off.
 
 When a store job is reported finished (``get_finished``; ``completion``):
 * ``"read"`` (default): once every GPU source block has been read, i.e. after the
