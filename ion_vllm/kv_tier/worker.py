@@ -36,10 +36,11 @@ ring: they are copied GPU -> host directly, as a spill (below), and only smaller
 ``gather_stream`` "drain" queues (1) on the drain stream instead of a stream of its own;
 ``gather_ids`` "host" lets the gather kernel read its block ids from pinned host memory,
 so that (1) is one kernel launch with no host -> device copy in front of it.  The
-twenty-sixth and twenty-seventh sessions measured the ring path costing the forward
-pass ~1 ms of wall time per ring piece, whatever its size, against the same blocks
-copied directly (``bench/notes.md``); these options were the suspects, measured apart in
-the twenty-eighth session: none changed that cost (it follows neither pieces nor bytes).
+twenty-sixth and twenty-seventh sessions measured the ring path costing ~0.5 s of a
+36 s turn of cold prompts against the same blocks copied directly (``bench/notes.md``),
+and read it as ~1 ms per ring piece; these options were that reading's suspects.  The
+twenty-eighth session measured them apart: none changed the cost, and neither did three
+times fewer pieces (store batching, below), so it follows neither pieces nor bytes.
 ``wait(job)`` (vLLM calls it before it reuses the source GPU blocks: flush on
 preemption or block reuse) waits only for step (1) of ring pieces.
 
