@@ -34,8 +34,10 @@ def test_runs_match_a_reference_split(seed):
         a = (np.cumsum(rng.integers(1, 3, n)) + int(rng.integers(0, 5))).tolist()
         b = (np.cumsum(rng.choice([1, 1, 1, 2, -3], n)) + 20).tolist()
         got = runs(a, b)
-        assert got == _runs_reference(a, b)
-        assert sum(k for _, _, k in got) == n
+        assert [(a0, b0, i1 - i0) for i0, i1, a0, b0 in got] == _runs_reference(a, b)
+        # the runs tile the positions in order
+        assert [i0 for i0, _, _, _ in got] == [0, *(i1 for _, i1, _, _ in got)][:len(got)]
+        assert sum(i1 - i0 for i0, i1, _, _ in got) == n
 
 
 def _buffers(rng, layout, rows=9):
@@ -173,7 +175,7 @@ def test_raw_drain_mutant_is_caught():
     orig = ri.runs
 
     def short(a, b):
-        return [(x, y, max(1, k - 1)) for x, y, k in orig(a, b)]
+        return [(i0, max(i0 + 1, i1 - 1), x, y) for i0, i1, x, y in orig(a, b)]
 
     ri.runs = short
     try:

@@ -105,20 +105,18 @@ class HostMemmove:
         ctypes.memmove(dst, src, nbytes)
 
 
-def runs(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs where both ``a`` and ``b`` step by +1: (a0, b0, length)."""
-    out: list[tuple[int, int, int]] = []
-    if not a:
-        return out
-    a0, b0, n = a[0], b[0], 1
-    for x, y in zip(a[1:], b[1:]):
-        if x == a0 + n and y == b0 + n:
-            n += 1
-        else:
-            out.append((a0, b0, n))
-            a0, b0, n = x, y, 1
-    out.append((a0, b0, n))
-    return out
+def runs(a, b) -> list[tuple[int, int, int, int]]:
+    """Positions of ``a`` and ``b`` (equal-length int sequences) split into maximal runs
+    where both step by +1: (i0, i1, a[i0], b[i0]) for positions [i0, i1).  The one split
+    of the tier's copies into runs of consecutive rows (the worker's and the drain's)."""
+    a, b = np.asarray(a), np.asarray(b)
+    n = len(a)
+    if n == 0:
+        return []
+    brk = np.nonzero((np.diff(a) != 1) | (np.diff(b) != 1))[0] + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [n]))
+    return [(int(s), int(e), int(a[s]), int(b[s])) for s, e in zip(starts, ends)]
 
 
 class PointerDrain:
@@ -162,7 +160,8 @@ class PointerDrain:
         """(dst, src, nbytes) of the drain of ring rows ``start``.. into ``host_ids``,
         before chunking."""
         out = []
-        for s0, h0, n in runs(list(range(start, start + len(host_ids))), host_ids):
+        for i0, i1, s0, h0 in runs(np.arange(start, start + len(host_ids)), host_ids):
+            n = i1 - i0
             for r_off, h_off, r_stride, h_stride, nb in self.regions:
                 # a run of rows is contiguous when the row stride is the region's width
                 if r_stride == nb and h_stride == nb or n == 1:

@@ -196,7 +196,7 @@ from vllm.v1.kv_offload.base import (
 
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
 from ion_vllm.kv_tier import page_gather
-from ion_vllm.kv_tier.raw_issue import CudaMemcpy, HostMemmove, IdStage, PointerDrain
+from ion_vllm.kv_tier.raw_issue import CudaMemcpy, HostMemmove, IdStage, PointerDrain, runs
 from ion_vllm.kv_tier.staging_ring import (
     StagingRing,
     check_gather_ids,
@@ -283,18 +283,6 @@ def canonicalize_layer_caches(
 # --------------------------------------------------------------------------
 # copies
 # --------------------------------------------------------------------------
-def _runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """Split positions into maximal runs where both a and b step by +1.
-    Returns (i0, i1, a0, b0)."""
-    n = len(a)
-    if n == 0:
-        return []
-    brk = np.nonzero((np.diff(a) != 1) | (np.diff(b) != 1))[0] + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [n]))
-    return [(int(s), int(e), int(a[s]), int(b[s])) for s, e in zip(starts, ends)]
-
-
 class TorchCopier:
     """Block copies with plain torch ops; any device (CPU tests, CUDA fallback).
 
@@ -348,7 +336,7 @@ class TorchCopier:
     def drain(self, ring: torch.Tensor, start: int, host: torch.Tensor,
               host_ids: np.ndarray) -> None:
         slots = np.arange(start, start + len(host_ids))
-        for i0, i1, s0, h0 in _runs(slots, host_ids):
+        for i0, i1, s0, h0 in runs(slots, host_ids):
             n = i1 - i0
             if self.layout == "slot":  # whole slots: one copy per run
                 host[h0:h0 + n].copy_(ring[s0:s0 + n], non_blocking=True)
@@ -361,7 +349,7 @@ class TorchCopier:
                 host_ids: np.ndarray) -> None:
         for t, nb in self.group_refs[group]:
             src, dst = self.tensors[t], self.view(host, t, nb)
-            for i0, i1, g0, h0 in _runs(gpu_ids, host_ids):
+            for i0, i1, g0, h0 in runs(gpu_ids, host_ids):
                 n = i1 - i0
                 dst[h0:h0 + n].copy_(src[g0:g0 + n, :nb], non_blocking=True)
 
@@ -369,7 +357,7 @@ class TorchCopier:
                gpu_ids: np.ndarray) -> None:
         for t, nb in self.group_refs[group]:
             dst, src = self.tensors[t], self.view(host, t, nb)
-            for i0, i1, h0, g0 in _runs(host_ids, gpu_ids):
+            for i0, i1, h0, g0 in runs(host_ids, gpu_ids):
                 n = i1 - i0
                 dst[g0:g0 + n, :nb].copy_(src[h0:h0 + n], non_blocking=True)
 
@@ -411,11 +399,11 @@ class BatchCopier(TorchCopier):
             off, os_ = self.placement(buf, t)
             base, gs = buf.data_ptr() + off, self._stride[t]
             if gs == nb and os_ == nb:  # contiguous on both sides: one copy per run
-                runs = _runs(g, o)
-                src.append(np.array([self._base[t] + a * gs for _, _, a, _ in runs],
+                rs = runs(g, o)
+                src.append(np.array([self._base[t] + a * gs for _, _, a, _ in rs],
                                     dtype=np.int64))
-                dst.append(np.array([base + b * os_ for _, _, _, b in runs], dtype=np.int64))
-                sz.append(np.array([(i1 - i0) * nb for i0, i1, _, _ in runs], dtype=np.int64))
+                dst.append(np.array([base + b * os_ for _, _, _, b in rs], dtype=np.int64))
+                sz.append(np.array([(i1 - i0) * nb for i0, i1, _, _ in rs], dtype=np.int64))
             else:
                 src.append(self._base[t] + g * gs)
                 dst.append(base + o * os_)
