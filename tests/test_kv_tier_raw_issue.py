@@ -26,11 +26,13 @@ def _runs_reference(a, b):
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_runs_match_a_reference_split(seed):
+@pytest.mark.parametrize("seed,sizes", [(0, (0, 12)), (1, (0, 12)), (2, (0, 12)),
+                                        (3, (0, 12)), (4, (50, 200))])
+def test_runs_match_a_reference_split(seed, sizes):
+    """Both walks (Python up to RUNS_PY_MAX positions, numpy beyond: the last case)."""
     rng = np.random.default_rng(seed)
     for _ in range(300):
-        n = int(rng.integers(0, 12))
+        n = int(rng.integers(*sizes))
         a = (np.cumsum(rng.integers(1, 3, n)) + int(rng.integers(0, 5))).tolist()
         b = (np.cumsum(rng.choice([1, 1, 1, 2, -3], n)) + 20).tolist()
         got = runs(a, b)
@@ -38,6 +40,7 @@ def test_runs_match_a_reference_split(seed):
         # the runs tile the positions in order
         assert [i0 for i0, _, _, _ in got] == [0, *(i1 for _, i1, _, _ in got)][:len(got)]
         assert sum(i1 - i0 for i0, i1, _, _ in got) == n
+        assert runs(np.asarray(a), np.asarray(b)) == got  # the worker passes arrays
 
 
 def _buffers(rng, layout, rows=9):
