@@ -654,7 +654,6 @@ class IonKVTierWorker(OffloadingWorker):
         self.store_batch_blocks, self.store_batch_steps = check_store_batch(
             store_batch_blocks, store_batch_steps)
         self._held: list[_StoreJob] = []  # store batching: small jobs not yet issued
-        self._held_blocks = 0
         self._held_age = 0  # get_finished calls since the oldest held job came
         self._batch_of: dict[int, int] = {}  # job id -> key of the batch that issued it
         self._next_batch_key = -1  # batches are keyed apart from vLLM's job ids (>= 0)
@@ -902,8 +901,7 @@ class IonKVTierWorker(OffloadingWorker):
             if not self._held:
                 self._held_age = 0
             self._held.append(job)
-            self._held_blocks += job.n
-            if self._held_blocks >= k:
+            if sum(j.n for j in self._held) >= k:  # fewer than k jobs: a short sum
                 self._release_held()
             return
         self._release_held()  # held jobs first: submission order
@@ -917,7 +915,7 @@ class IonKVTierWorker(OffloadingWorker):
         held = self._held
         if not held:
             return
-        self._held, self._held_blocks = [], 0
+        self._held = []
         if len(held) == 1:
             unit = held[0]
         else:
@@ -1317,6 +1315,5 @@ class IonKVTierWorker(OffloadingWorker):
         a.check()
         assert a.used * self.slot_bytes <= self.ring.nbytes, "staging ring overflow"
         assert sum(p.count for p in self._ring_pieces) == a.used, "ring slot leak"
-        assert self._held_blocks == sum(j.n for j in self._held), "held block count"
         assert all(j.job_id in self._stores and not j.pieces for j in self._held)
         assert all(k in self._stores for k in self._batch_of.values()), "lost batch"
