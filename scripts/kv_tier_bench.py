@@ -42,7 +42,10 @@ held and issued together, about four to a ring piece at this workload's rate of 
 every ~8 steps), which tests the per-piece reading without naming the mechanism. None of
 the three moved turn 1 either (twenty-eighth session: the cost does not follow pieces), so
 `ion-ring1` (ring_mib=4: a ring of one slot, which only one-block jobs fit, one at a time)
-asks whether it follows the ring's size, with `ion-cegather` (no gather kernel).
+asks whether it follows the ring's size, with `ion-cegather` (no gather kernel). Both
+cost as much as the full ring (twenty-ninth session), so `ion-ringidle` (ring_idle: the
+256 MiB ring allocated and its gather compiled, every block copied GPU -> host directly,
+as `ion-noring` does) separates the ring's presence from its use.
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -112,6 +115,7 @@ ION_CONFIGS = {
     "ion-gather-drain": {"gather_stream": "drain"},
     "ion-batch": {"store_batch_blocks": 8, "store_batch_steps": 32},
     "ion-ring1": {"ring_mib": 4},
+    "ion-ringidle": {"ring_idle": True},
 }
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 

@@ -73,6 +73,9 @@ kv_connector_extra_config keys:
                                 per store job, in submit_store or in the next
                                 get_finished; a probe of what the tier's host time
                                 costs the engine, never for serving (worker.py)
+  ring_idle                     test-only (default false): the ring is made (HBM,
+                                gather compiled) but no store uses it; every block
+                                is copied GPU -> host directly (worker.py)
   verify                        true: block-verification test mode (every stored
                                 and restored block fingerprinted on the GPU and
                                 compared, see worker.py); absent: the
@@ -232,6 +235,13 @@ class IonKVTierSpec(OffloadingSpec):
         self.store_batch_blocks, self.store_batch_steps = check_store_batch(
             float(extra.get("store_batch_blocks", 0)), float(extra.get("store_batch_steps", 8)))
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
+        # test-only: the ring made but unused (worker.py, "idle-ring probe")
+        self.ring_idle = bool(parse_flag(extra.get("ring_idle")))
+        if self.ring_idle and self.ring_overflow != "direct":
+            raise ValueError("Ion KV tier: ring_idle needs ring_overflow 'direct'")
+        if self.ring_idle:
+            logger.warning("Ion KV tier: ring_idle: the staging ring is allocated but "
+                           "unused - a test-only probe, never for serving")
         # test-only: extra host time per store job (worker.py, "host-time probe")
         self.host_delay_us, self.host_delay_at = check_host_delay(
             float(extra.get("host_delay_us", 0)), str(extra.get("host_delay_at", "submit")))
@@ -297,6 +307,7 @@ class IonKVTierSpec(OffloadingSpec):
                 gather_ids=self.gather_ids,
                 store_batch_blocks=self.store_batch_blocks,
                 store_batch_steps=self.store_batch_steps,
+                ring_idle=self.ring_idle,
             )
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning(

@@ -149,6 +149,13 @@ measures how much of the tier's host time reaches the engine's wall time, and wh
 matters where in the engine loop that time sits (bench configs ``ion-delay-submit`` /
 ``ion-delay-finish``).
 
+Idle-ring probe (spec key ``ring_idle``; test-only, off by default): the ring is made as
+configured (its HBM allocated, its gather compiled) but no store uses it; every block is
+copied GPU -> host directly, as with ``ring_mib`` 0.  Every ring config measured through
+the twenty-ninth session cost ~0.4-0.6 s of a 36 s cold turn against ``ring_mib`` 0, at
+any ring size (one 3.5 MiB slot to 256 MiB) and any piece count; this separates the
+ring's presence from its use (bench config ``ion-ringidle``).
+
 Verify mode (``ION_KV_TIER_VERIFY=1`` or the spec's ``verify`` key; a test mode,
 off by default: it costs GPU time and a host sync per finished load)
 ----------------------------------------------------------------------------
@@ -642,8 +649,18 @@ class IonKVTierWorker(OffloadingWorker):
         gather_ids: str = "device",
         store_batch_blocks: int = 0,
         store_batch_steps: int = 8,
+        ring_idle: bool = False,
     ):
         self.overflow = check_overflow(overflow)
+        # test-only probe (spec key ring_idle): the ring is made (its HBM, its gather
+        # compiled) but no store uses it; every block is copied GPU -> host directly
+        self.ring_idle = bool(ring_idle)
+        if self.ring_idle and self.overflow != "direct":
+            raise ValueError("Ion KV tier: ring_idle needs ring_overflow='direct' (a ring "
+                             "no store uses would defer blocks forever)")
+        if self.ring_idle and ring_bytes == 0:
+            raise ValueError("Ion KV tier: ring_idle needs a ring (ring_mib > 0); with "
+                             "ring_mib 0 there is nothing to leave idle")
         self.issue_api = check_issue_api(issue_api)
         raw = self.issue_api == "raw"
         self.gather_priority = check_gather_priority(gather_priority)
@@ -1156,7 +1173,7 @@ class IonKVTierWorker(OffloadingWorker):
             job = self._queue[0]
             if 0 < self.ring_max_job_blocks < job.n and job.next_item == 0:
                 self._issue_spill(job)  # a bulk store: GPU -> host directly
-            while job.next_item < job.n:
+            while job.next_item < job.n and not self.ring_idle:
                 run = self.ring.alloc.alloc(job.n - job.next_item)
                 if run is None:
                     break
