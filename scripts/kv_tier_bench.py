@@ -222,20 +222,34 @@ def profile_wave(llm, sp, cfg: dict) -> float:
     return wall
 
 
-def profile_summary(profile_dir: str, name: str) -> dict | None:
+def profile_summary(profile_dir: str, name: str, timeline_dir: str | None = None
+                    ) -> dict | None:
     """The stream report (``ion_vllm.bench.stream_trace.summarize``) of config ``name``'s
-    profiled wave: its trace file under ``<profile_dir>/<name>`` (the newest, when
-    several), or None when there is none."""
+    profiled wave, with its compute stream's idle time at every gap size
+    (``gap_profile.summarize_gaps``, under ``gaps``): its trace file under
+    ``<profile_dir>/<name>`` (the newest, when several), or None when there is none.
+    With ``timeline_dir``, the wave's kernels also go to ``<timeline_dir>/timeline-<name>
+    .npz`` (``gap_profile.save_timeline``: ~1 MB, where the trace is hundreds)."""
     import glob
 
-    from ion_vllm.bench.stream_trace import load_trace, summarize
+    from ion_vllm.bench import gap_profile
+    from ion_vllm.bench.stream_trace import gpu_activities, load_trace, summarize
 
     paths = sorted(glob.glob(os.path.join(profile_dir, name, "**", "*.pt.trace.json*"),
                              recursive=True), key=os.path.getmtime)
     if not paths:
         return None
-    rep = summarize(load_trace(paths[-1]))
+    trace = load_trace(paths[-1])
+    rep = summarize(trace)
     rep["trace"] = os.path.relpath(paths[-1], profile_dir)
+    cs = rep["compute_stream"]
+    if cs is not None:
+        acts = gpu_activities(trace)
+        rep["gaps"] = gap_profile.summarize_gaps(acts, cs)
+        if timeline_dir:
+            path = os.path.join(timeline_dir, f"timeline-{name}.npz")
+            gap_profile.save_timeline(path, acts, cs)
+            rep["timeline"] = os.path.basename(path)
     return rep
 
 
@@ -629,6 +643,10 @@ def profile_lines(results: list[dict]) -> list[str]:
                              for x in sd["by_side"][:4]) or "-"
             out.append(f"| {r['config']} | {sd['gaps']} ({sd['gap_us'] / 1e3:.1f}) | "
                        f"{sd['alone']} ({sd['alone_us'] / 1e3:.1f}) | {near} |")
+    from ion_vllm.bench.gap_profile import markdown_lines
+
+    out += markdown_lines([(r["config"], r["profile"]["gaps"]) for r in rows
+                           if r["profile"].get("gaps")])
     return out
 
 
@@ -786,7 +804,7 @@ def main() -> int:
         if args.profile_dir and "error" not in res:  # the child has exited: trace written
             try:
                 res["profile"] = profile_summary(os.path.abspath(args.profile_dir),
-                                                 res["config"])
+                                                 res["config"], timeline_dir=out)
             except Exception as e:  # a broken trace must not lose the timed results
                 res["profile"] = None
                 res["profile_error"] = repr(e)

@@ -100,11 +100,22 @@ def test_bench_profile_summary_takes_the_newest_trace_and_renders(tmp_path):
     new = d / "b.pt.trace.json.gz"
     with gzip.open(new, "wt") as f:
         json.dump(_trace(), f)
-    rep = bench.profile_summary(str(tmp_path / "prof"), "ion")
+    rep = bench.profile_summary(str(tmp_path / "prof"), "ion", timeline_dir=str(tmp_path))
     assert rep["compute_stream"] == "7" and rep["trace"].endswith("b.pt.trace.json.gz")
     assert bench.profile_summary(str(tmp_path / "prof"), "native") is None
-    lines = bench.profile_lines([{"config": "ion", "profile": rep},
-                                 {"config": "native", "profile": None}])
+    # every gap size: 15-200 and 230-400 us (the 0-15 and 200-230 kernels are back to back)
+    assert rep["gaps"]["idle_us"] == pytest.approx(355.0) and rep["gaps"]["gaps"] == 2
+    # the wave's kernels kept in a small file that gives the same gaps back
+    from ion_vllm.bench import gap_profile
+    assert rep["timeline"] == "timeline-ion.npz"
+    back = gap_profile.load_timeline(str(tmp_path / "timeline-ion.npz"))
+    assert gap_profile.summarize_gaps(back, "7") == rep["gaps"]
+    all_lines = bench.profile_lines([{"config": "ion", "profile": rep},
+                                     {"config": "native", "profile": None}])
+    n_gap = len(gap_profile.markdown_lines([("ion", rep["gaps"])]))
+    assert n_gap == 18 and all_lines[-n_gap:] == gap_profile.markdown_lines(
+        [("ion", rep["gaps"])])
+    lines = all_lines[:-n_gap]
     assert len(lines) == 18 and lines[5].startswith("| ion | 0.4 | 0.145 | 2 (0.4) |")
     assert "0.0 / 0.1 / 0.0" in lines[5]  # other streams: kernels 30 us, HtoD 50, DtoH 20
     assert "gemm 1.500" in lines[5]
