@@ -187,6 +187,7 @@ def child(cfg: dict) -> dict:
 
             ready_then_wait(cfg["gate_dir"], cfg["name"], cfg.get("repeats", 1))
         out["profiled_wave_s"] = profile_wave(llm, sp, cfg)
+        out["profiled_turn"] = int(cfg.get("profile_turn", 1))
     return out
 
 
@@ -204,16 +205,45 @@ def profiler_config(cfg: dict):
         max_iterations=cfg["profile_steps"])
 
 
-def profile_wave(llm, sp, cfg: dict) -> float:
-    """One untimed wave of turn 1 (fresh conversations: seed + 1000) under the profiler;
-    returns its wall seconds (profiled, so not comparable with the timed runs)."""
-    from vllm.inputs import TokensPrompt
-
+def profile_prompts(cfg: dict, generate) -> list[list[int]]:
+    """The prompts of the profiled wave: turn ``profile_turn`` (default 1) of one wave of
+    fresh conversations (seed + 1000).  For a later turn T, turns 1 .. T-1 run first,
+    unprofiled, through ``generate(prompts) -> outputs`` (token lists), over two waves of
+    conversations where there are that many, so that the second pushes the first out of
+    HBM as in the timed workload; the profiled wave is then the first wave's turn T, its
+    earlier turns in the tier or the GPU cache as a returning wave's are."""
     rng = random.Random(cfg["seed"] + 1000)
     n = min(cfg["wave"], cfg["conversations"])
-    prompts = [[rng.randrange(10, cfg["vocab"]) for _ in range(cfg["context_len"]
+    turn = int(cfg.get("profile_turn", 1))
+    if turn == 1:  # as before 2026-12-06's twenty-ninth session: one draw per prompt
+        return [[rng.randrange(10, cfg["vocab"]) for _ in range(cfg["context_len"]
                                                                + cfg["user_len"])]
-               for _ in range(n)]
+                for _ in range(n)]
+    tok = lambda k: [rng.randrange(10, cfg["vocab"]) for _ in range(k)]  # noqa: E731
+    k = min(2 * n, cfg["conversations"])
+    convs = [tok(cfg["context_len"]) for _ in range(k)]
+    for _ in range(turn - 1):
+        for w in range(0, k, n):
+            idx = list(range(w, min(w + n, k)))
+            for i in idx:
+                convs[i] = convs[i] + tok(cfg["user_len"])
+            for i, out in zip(idx, generate([convs[i] for i in idx])):
+                convs[i] = convs[i] + list(out)
+    return [convs[i] + tok(cfg["user_len"]) for i in range(n)]
+
+
+def profile_wave(llm, sp, cfg: dict) -> float:
+    """One untimed wave under the profiler (``profile_prompts``: turn ``profile_turn``,
+    after its earlier turns ran unprofiled); returns its wall seconds (profiled, so not
+    comparable with the timed runs)."""
+    from vllm.inputs import TokensPrompt
+
+    def generate(prompts):
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                           use_tqdm=False)
+        return [r.outputs[0].token_ids for r in res]
+
+    prompts = profile_prompts(cfg, generate)
     llm.start_profile(profile_prefix=cfg["name"])
     t0 = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -590,7 +620,9 @@ def profile_lines(results: list[dict]) -> list[str]:
     rows = [r for r in results if r.get("profile")]
     if not rows:
         return []
-    out = ["", "Profiled wave (torch profiler, one untimed wave of turn 1; times in ms):", "",
+    turn = rows[0].get("profiled_turn", 1)
+    out = ["", f"Profiled wave (torch profiler, one untimed wave of turn {turn}; times in "
+           "ms):", "",
            "| config | compute span | compute busy | gaps >= 100 us (ms) | other streams: "
            "kernels / HtoD / DtoH | heaviest compute kernels: busy / alone mean |",
            "|---|---|---|---|---|---|"]
@@ -745,17 +777,25 @@ def main() -> int:
                          "starts at config r mod n: no config always runs first) or fixed "
                          "(the --configs order every round, as before 2026-12-06)")
     ap.add_argument("--profile-dir", default=None,
-                    help="after the timed repeats, profile one untimed wave of turn 1 per "
-                         "config with vLLM's torch profiler (traces under DIR/<config>) and "
+                    help="after the timed repeats, profile one untimed wave (of "
+                         "--profile-turn) per config with vLLM's torch profiler (traces under DIR/<config>) and "
                          "report its CUDA streams (ion_vllm/bench/stream_trace.py)")
     ap.add_argument("--profile-delay", type=int, default=400,
                     help="engine steps of the profiled wave skipped before recording")
     ap.add_argument("--profile-steps", type=int, default=300,
                     help="engine steps recorded")
+    ap.add_argument("--profile-turn", type=int, default=1,
+                    help="the turn of the profiled wave: 1 (cold prompts) or a returning "
+                         "turn, after the earlier turns ran unprofiled (give "
+                         "--profile-delay 0 to record the wave's start, where its "
+                         "requests load or recompute their history)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 0 or (args.repeats == 0 and not args.profile_dir):
         ap.error("--repeats must be >= 1, or 0 with --profile-dir (a profiled wave only)")
+    if not 1 <= args.profile_turn <= args.turns:
+        ap.error(f"--profile-turn must be in 1..--turns ({args.turns}): the engine's "
+                 "max_model_len is sized for --turns")
     unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {CONFIGS}")
@@ -784,7 +824,8 @@ def main() -> int:
                 enforce_eager=args.enforce_eager, repeats=args.repeats, out=out,
                 profile_dir=(os.path.abspath(args.profile_dir) if args.profile_dir
                              else None),
-                profile_delay=args.profile_delay, profile_steps=args.profile_steps)
+                profile_delay=args.profile_delay, profile_steps=args.profile_steps,
+                profile_turn=args.profile_turn)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,

@@ -282,3 +282,49 @@ def test_gaps_are_matched_with_the_side_work_near_them():
     lone = [a for a in acts if a["stream"] == "7"]
     r = st.gaps_near_side_work(lone, "7")
     assert (r["alone"], r["alone_us"], r["by_side"]) == (2, 355.0, [])
+
+
+def _prompt_cfg(**kw):
+    return {"seed": 0, "wave": 2, "conversations": 4, "vocab": 1000, "context_len": 12,
+            "user_len": 3, **kw}
+
+
+def test_the_profiled_wave_of_turn_1_is_one_wave_of_cold_prompts():
+    calls = []
+    p = bench.profile_prompts(_prompt_cfg(), lambda ps: calls.append(ps) or [])
+    assert calls == [] and len(p) == 2 and all(len(x) == 15 for x in p)
+    assert p == bench.profile_prompts(_prompt_cfg(), None)  # the same draw every time
+    assert p != bench.profile_prompts(_prompt_cfg(seed=1), None)
+
+
+def test_a_later_profiled_turn_runs_the_earlier_turns_over_two_waves_first():
+    """--profile-turn 3: turns 1 and 2 of four conversations run unprofiled as two waves
+    of two (the second pushes the first out of HBM); the profiled prompts are the first
+    wave's turn 3: each holds its conversation's earlier prompts and answers in order."""
+    calls = []
+
+    def generate(prompts):
+        calls.append([list(x) for x in prompts])
+        return [[7000 + len(calls) * 10 + i] * 5 for i in range(len(prompts))]
+
+    p = bench.profile_prompts(_prompt_cfg(profile_turn=3), generate)
+    assert [len(c) for c in calls] == [2, 2, 2, 2]  # 2 turns x 2 waves
+    assert [len(x) for x in calls[0]] == [15, 15] and [len(x) for x in calls[2]] == [23, 23]
+    assert len(p) == 2 and all(len(x) == 15 + 5 + 3 + 5 + 3 for x in p)
+    for i in range(2):
+        turn1, turn2 = calls[0][i], calls[2][i]
+        assert turn2[:15] == turn1 and turn2[15:20] == [7010 + i] * 5
+        assert p[i][:23] == turn2 and p[i][23:28] == [7030 + i] * 5
+    # the second wave's conversations are others, and none is profiled
+    assert all(c[:12] != p[0][:12] and c[:12] != p[1][:12] for c in calls[1])
+
+
+def test_profile_turn_is_refused_outside_the_turns_the_engine_is_sized_for():
+    import subprocess
+    import sys
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts",
+                        "kv_tier_bench.py")
+    r = subprocess.run([sys.executable, path, "/m", "--turns", "2", "--profile-turn", "3",
+                        "--profile-dir", "/tmp/p"], capture_output=True, text=True,
+                       check=False, timeout=120)
+    assert r.returncode == 2 and "--profile-turn must be in 1..--turns" in r.stderr
