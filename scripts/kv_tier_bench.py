@@ -778,8 +778,9 @@ def main() -> int:
                          "(the --configs order every round, as before 2026-12-06)")
     ap.add_argument("--profile-dir", default=None,
                     help="after the timed repeats, profile one untimed wave (of "
-                         "--profile-turn) per config with vLLM's torch profiler (traces under DIR/<config>) and "
-                         "report its CUDA streams (ion_vllm/bench/stream_trace.py)")
+                         "--profile-turn) per config with vLLM's torch profiler (traces "
+                         "under DIR/<config>) and report its CUDA streams "
+                         "(ion_vllm/bench/stream_trace.py, gap_profile.py)")
     ap.add_argument("--profile-delay", type=int, default=400,
                     help="engine steps of the profiled wave skipped before recording")
     ap.add_argument("--profile-steps", type=int, default=300,

@@ -15,7 +15,8 @@ def _act(stream, start, end, name, kind="kernel", nbytes=0):
 def _acts():
     """Compute stream "7": gaps of 0.5 (A->B), 3 (B->A), 150 (A->C), 990 (C->A) and 5 us
     (A->B); two overlapping kernels (23-30, 25-40) and a back-to-back pair (40) leave
-    none.  Stream "9": one DtoH copy of 1 MiB at 100-110 us; a memset on "7" is not a kernel."""
+    none.  Stream "9": one DtoH copy of 1 MiB at 100-110 us; a memset on "7" is not a
+    kernel."""
     acts = [_act("7", 0, 10, "A"), _act("7", 10.5, 20, "B"), _act("7", 23, 30, "A"),
             _act("7", 25, 40, "B"), _act("7", 40, 50, "A"), _act("7", 200, 210, "C"),
             _act("7", 1200, 1210, "A"), _act("7", 1215, 1300, "B"),

@@ -13,9 +13,9 @@ them:
   overlapping kernels merged), each with the kernels before and after it.
 * ``gap_histogram``: count and summed length of those gaps by size bin.
 * ``idle_near_side_work``: the compute span split into the time within ``near_us`` of
-  other streams' work (kernels, and copies of 64 KiB or more) and the rest, with the idle time in each: whether the idle time
-  sits beside a side stream's work (contention, a wait) or everywhere (a state of the
-  device or of the process).
+  other streams' work (kernels, and copies of 64 KiB or more) and the rest, with the idle
+  time in each: whether the idle time sits beside a side stream's work (contention, a
+  wait) or everywhere (a state of the device or of the process).
 * ``window_idle``: the idle share of fixed windows of the span, as quantiles: spread thin
   over every window, or in bursts.
 * ``gap_pairs``: the gaps below a size, by the pair of kernels around them: which
