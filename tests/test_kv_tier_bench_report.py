@@ -211,3 +211,28 @@ def test_the_session26_record_rebuilds_with_turn_walls(tmp_path):
     t1 = {k: float(v.split(" | ")[1]) for k, v in rows.items()}
     assert t1["ion"] - t1["native-default"] > 0.4  # two waves, ~0.3 s each
     assert abs(t1["none"] - t1["native-default"]) < 0.2
+
+
+def test_request_phases_split_a_request_by_its_time_stamps():
+    m = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.5, first_token_ts=11.25,
+                        last_token_ts=19.0)
+    assert bench.request_phases(m) == {"queue": 0.5, "prefill": 0.75, "decode": 7.75}
+    # a missing time stamp (0.0) or no metrics: nothing, rather than a negative phase
+    assert bench.request_phases(SimpleNamespace(queued_ts=10.0, scheduled_ts=0.0,
+                                                first_token_ts=11.0, last_token_ts=12.0)) == {}
+    assert bench.request_phases(None) == {}
+
+
+def test_phase_table_averages_each_turns_phases_over_repeats():
+    def run(q, p, d):
+        return {"phase_s_by_turn": {"queue": q, "prefill": p, "decode": d}}
+    res = [{"config": "ion", "runs": [run([1.0, 2.0], [3.0, 4.0], [10.0, 20.0]),
+                                      run([3.0, 2.0], [5.0, 4.0], [30.0, 40.0])]},
+           {"config": "native-default", "runs": [run([1.0], [1.0], [1.0])]},
+           {"config": "old", "runs": [{"wave_s": [1.0]}]}]
+    lines = bench.phase_table(res)
+    assert "| config | turn 1 | turn 2 |" in lines
+    assert "| ion | 2.0 / 4.0 / 20.0 | 2.0 / 4.0 / 30.0 |" in lines
+    assert "| native-default | 1.0 / 1.0 / 1.0 | |" in lines
+    assert not any(x.startswith("| old") for x in lines)
+    assert bench.phase_table([{"config": "ion", "runs": [{}]}]) == []
