@@ -109,3 +109,48 @@ def test_markdown_lines_render_every_table():
     assert "| 0.2, 0.2 (0.7310) | 1.1, 1.0 (0.9128) |" in rows[1]
     assert rows[2] == "| ion | A -> B: 0.01, 2, 2.75; B -> A: 0.00, 1, 3.00 |"
     assert gp.markdown_lines([]) == []
+
+
+def test_pair_deltas_find_the_boundary_that_grew():
+    """B is A with the A -> B boundaries 2 us longer each: that pair leads, +4 us over its
+    two gaps at equal counts; B -> A is unchanged and ranks below it."""
+    a = gp.idle_intervals(_acts(), "7")
+    b = [(g0, g1 + 2.0, x, y) if (x, y) == ("A", "B") else (g0, g1, x, y)
+         for g0, g1, x, y in a]
+    rows = gp.pair_deltas(a, b)
+    assert (rows[0]["before"], rows[0]["after"]) == ("A", "B")
+    assert (rows[0]["count_a"], rows[0]["count_b"]) == (2, 2)
+    assert rows[0]["delta_us"] == pytest.approx(4.0)
+    assert rows[1]["delta_us"] == 0.0
+    # a pair only one side has counts zero on the other
+    only_b = gp.pair_deltas([], b)
+    assert all(r["count_a"] == 0 and r["us_a"] == 0.0 for r in only_b)
+
+
+def test_top_idle_windows_rank_bursts():
+    """100 us windows: [100, 300) and nine more are all idle; the first window holds 53.5."""
+    rows = gp.top_idle_windows(_acts(), "7", window_us=100.0, top=12)
+    assert rows[0] == {"start_ms": 0.1, "idle_us": 100.0}
+    assert {"start_ms": 0.0, "idle_us": 53.5} in rows
+    assert rows[-1]["idle_us"] <= rows[0]["idle_us"]
+    assert gp.top_idle_windows([], "7") == []
+
+
+def test_timeline_compare_script_reports_two_saved_waves(tmp_path):
+    from script_loader import load_script
+
+    tc = load_script("timeline_compare.py", "timeline_compare_script")
+    acts = _acts()
+    slow = [dict(x, start=x["start"] + 2.0, end=x["end"] + 2.0)
+            if x["stream"] == "7" and x["start"] >= 10.5 else x for x in acts]
+    pa, pb = str(tmp_path / "timeline-ion-noring.npz"), str(tmp_path / "timeline-ion.npz")
+    gp.save_timeline(pa, acts, "7")
+    gp.save_timeline(pb, slow, "7")
+    out = tmp_path / "cmp.md"
+    assert tc.main([pa, pb, "--window-ms", "0.1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Compute-stream timelines: ion-noring (A) against ion (B)")
+    # every kernel from 10.5 us on moved 2 us later: only the A -> B gap at 10 us grew
+    assert "| A -> B | 2 | 2 | 5.5 | 7.5 | +2.0 |" in text
+    assert "| B -> A | 1 | 1 | 3.0 | 3.0 | +0.0 |" in text
+    assert "ion: the 10 0.1 ms windows with the most idle time" in text

@@ -19,7 +19,9 @@ them:
 * ``window_idle``: the idle share of fixed windows of the span, as quantiles: spread thin
   over every window, or in bursts.
 * ``gap_pairs``: the gaps below a size, by the pair of kernels around them: which
-  boundary of the step grew.
+  boundary of the step grew; ``pair_deltas`` compares two configs' pairs, and
+  ``top_idle_windows`` finds where idle time comes in bursts
+  (``scripts/timeline_compare.py`` runs both on two saved timelines).
 * ``timeline_arrays`` / ``save_timeline`` / ``load_timeline``: every compute kernel (start,
   duration, name index) and every side activity, as numpy arrays in one compressed file
   (~1 MB for 300 steps of a 28-layer model).
@@ -149,10 +151,11 @@ def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
             "quantiles": {str(q): float(np.quantile(share, q)) for q in quantiles}}
 
 
-def gap_pairs(gaps: list[tuple], below_us: float = 20.0, top: int = 10,
+def gap_pairs(gaps: list[tuple], below_us: float = 20.0, top: int | None = 10,
               name_len: int = 48) -> list[dict]:
     """The gaps shorter than ``below_us`` by (kernel before, kernel after), names cut to
-    ``name_len``: ``count``, ``us`` (summed) and ``mean_us``, most summed time first."""
+    ``name_len``: ``count``, ``us`` (summed) and ``mean_us``, most summed time first (the
+    ``top`` first; None: all)."""
     by: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     for g0, g1, before, after in gaps:
         d = g1 - g0
@@ -163,6 +166,47 @@ def gap_pairs(gaps: list[tuple], below_us: float = 20.0, top: int = 10,
     rows = [{"before": k[0], "after": k[1], "count": v[0], "us": v[1], "mean_us": v[1] / v[0]}
             for k, v in by.items()]
     rows.sort(key=lambda r: -r["us"])
+    return rows if top is None else rows[:top]
+
+
+def pair_deltas(a: list[tuple], b: list[tuple], below_us: float = 20.0, top: int = 10,
+                name_len: int = 48) -> list[dict]:
+    """Which kernel boundaries grew from gaps ``a`` to gaps ``b`` (``idle_intervals`` of
+    two configs' waves): per (kernel before, kernel after) pair of the gaps under
+    ``below_us``, ``count_a`` / ``count_b``, ``us_a`` / ``us_b`` and ``delta_us`` = us_b -
+    us_a, the ``top`` largest |delta| first.  Equal work gives equal pair counts, so a
+    pair whose time grew at an equal count is a boundary that got slower."""
+    rows: dict[tuple[str, str], dict] = {}
+    for side, gaps in (("a", a), ("b", b)):
+        for r in gap_pairs(gaps, below_us, top=None, name_len=name_len):
+            row = rows.setdefault((r["before"], r["after"]), {
+                "before": r["before"], "after": r["after"], "count_a": 0, "count_b": 0,
+                "us_a": 0.0, "us_b": 0.0})
+            row[f"count_{side}"] = r["count"]
+            row[f"us_{side}"] = r["us"]
+    out = [{**r, "delta_us": r["us_b"] - r["us_a"]} for r in rows.values()]
+    out.sort(key=lambda r: -abs(r["delta_us"]))
+    return out[:top]
+
+
+def top_idle_windows(acts: list[dict], stream: str, window_us: float = 10_000.0,
+                     top: int = 10) -> list[dict]:
+    """The ``top`` windows of ``window_us`` with the most idle time: ``start_ms`` (from the
+    stream's first kernel) and ``idle_us``, most idle first: where a burst sits (a wave's
+    start waiting for loads, a preemption)."""
+    comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    if not comp:
+        return []
+    t0 = comp[0]["start"]
+    idle: dict[int, float] = defaultdict(float)
+    for g0, g1, _, _ in idle_intervals(acts, stream):
+        i = int((g0 - t0) // window_us)
+        while t0 + i * window_us < g1:
+            w0 = t0 + i * window_us
+            idle[i] += max(0.0, min(g1, w0 + window_us) - max(g0, w0))
+            i += 1
+    rows = [{"start_ms": i * window_us / 1e3, "idle_us": v} for i, v in idle.items()]
+    rows.sort(key=lambda r: (-r["idle_us"], r["start_ms"]))
     return rows[:top]
 
 
