@@ -33,6 +33,9 @@ def test_idle_intervals_merge_overlaps_and_name_the_kernels_around_each_gap():
                                            ("A", "B")]
     # the memset at 600 us does not split the 990 us gap: kernels only
     assert gp.idle_intervals(_acts(), "9") == []
+    # float noise between back-to-back kernels (under 1 ns) is no gap
+    noisy = [_act("7", 0, 0.3, "A"), _act("7", 0.1 + 0.2, 1.0, "B"), _act("7", 1.002, 2, "C")]
+    assert [(g[2], g[3]) for g in gp.idle_intervals(noisy, "7")] == [("B", "C")]
 
 
 def test_gap_histogram_bins_by_size():
