@@ -21,10 +21,8 @@ from ion_vllm.bench.stream_trace import compute_stream  # noqa: E402
 
 
 def label_of(path: str) -> str:
-    name = os.path.basename(path)
-    for pre, suf in (("timeline-", ""), ("", ".npz")):
-        name = name.removeprefix(pre).removesuffix(suf)
-    return name
+    """``timeline-ion.npz`` -> ``ion``."""
+    return os.path.basename(path).removeprefix("timeline-").removesuffix(".npz")
 
 
 def compare_lines(a: tuple[str, list[dict]], b: tuple[str, list[dict]],

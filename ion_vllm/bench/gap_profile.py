@@ -126,6 +126,19 @@ def idle_near_side_work(acts: list[dict], stream: str, near_us: float = 1000.0,
     return res
 
 
+def _idle_by_window(gaps: list[tuple], t0: float, window_us: float) -> dict[int, float]:
+    """Idle us of each window ``i`` = [t0 + i * window_us, t0 + (i + 1) * window_us) that
+    ``gaps`` reach (windows with none are absent)."""
+    idle: dict[int, float] = defaultdict(float)
+    for g0, g1, _, _ in gaps:
+        i = int((g0 - t0) // window_us)
+        while t0 + i * window_us < g1:
+            w0 = t0 + i * window_us
+            idle[i] += max(0.0, min(g1, w0 + window_us) - max(g0, w0))
+            i += 1
+    return idle
+
+
 def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
                 quantiles: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99)) -> dict:
     """The compute span cut into windows of ``window_us`` (the last, partial one dropped
@@ -141,15 +154,10 @@ def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
         n += 1
     if n == 0:
         return {"window_us": window_us, "windows": 0, "quantiles": {}}
-    idle = np.zeros(n)
+    per = _idle_by_window(idle_intervals(acts, stream), t0, window_us)
+    idle = np.array([per.get(i, 0.0) for i in range(n)])
     span = np.full(n, window_us)
     span[-1] = min(window_us, t1 - (t0 + (n - 1) * window_us))
-    for g0, g1, _, _ in idle_intervals(acts, stream):
-        i = int((g0 - t0) // window_us)
-        while i < n and t0 + i * window_us < g1:
-            w0 = t0 + i * window_us
-            idle[i] += max(0.0, min(g1, w0 + window_us) - max(g0, w0))
-            i += 1
     share = idle / span
     return {"window_us": window_us, "windows": n,
             "quantiles": {str(q): float(np.quantile(share, q)) for q in quantiles}}
@@ -201,14 +209,7 @@ def top_idle_windows(acts: list[dict], stream: str, window_us: float = 10_000.0,
     comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
     if not comp:
         return []
-    t0 = comp[0]["start"]
-    idle: dict[int, float] = defaultdict(float)
-    for g0, g1, _, _ in idle_intervals(acts, stream):
-        i = int((g0 - t0) // window_us)
-        while t0 + i * window_us < g1:
-            w0 = t0 + i * window_us
-            idle[i] += max(0.0, min(g1, w0 + window_us) - max(g0, w0))
-            i += 1
+    idle = _idle_by_window(idle_intervals(acts, stream), comp[0]["start"], window_us)
     rows = [{"start_ms": i * window_us / 1e3, "idle_us": v} for i, v in idle.items()]
     rows.sort(key=lambda r: (-r["idle_us"], r["start_ms"]))
     return rows[:top]
