@@ -326,3 +326,18 @@ def test_random_ops_cuda_store_batching():
                        worker_kw={"store_batch_blocks": 4, "store_batch_steps": 3})
     assert r.restored_blocks > 0 and r.verified_blocks > 0
     assert r.worker_stats["store_batches"] > 0 and r.worker_stats["d2d_blocks"] > 0
+
+
+@pytest.mark.gpu
+def test_random_ops_cuda_idle_ring():
+    """The idle-ring probe on CUDA streams (``ring_idle``, bench config ``ion-ringidle``):
+    the ring allocated and its gather compiled, every block copied GPU -> host directly;
+    every restored block verified, and not one block through the ring."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+
+    r = run_random_ops(49, 3000, copier="batch", device="cuda",
+                       runtime=CudaRuntime(torch.device("cuda"), lean=True), issue_api="raw",
+                       worker_kw={"ring_idle": True})
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["d2d_blocks"] == 0 and r.worker_stats["spill_blocks"] > 0
