@@ -39,7 +39,7 @@ def test_the_probe_is_refused_where_it_means_nothing_or_would_stall(kw, match):
         _rig(ring_idle=True, **kw)
 
 
-def test_the_spec_reads_ring_idle_and_refuses_it_with_a_deferring_ring():
+def test_the_spec_reads_ring_idle_and_refuses_it_with_a_deferring_ring_or_no_ring():
     from ion_vllm.kv_tier.spec import IonKVTierSpec
     from tests.test_kv_tier_spec import _cfg
 
@@ -49,6 +49,9 @@ def test_the_spec_reads_ring_idle_and_refuses_it_with_a_deferring_ring():
     assert IonKVTierSpec(_cfg(base)).ring_idle is False
     with pytest.raises(ValueError, match="ring_idle"):
         IonKVTierSpec(_cfg({**base, "ring_idle": True, "ring_overflow": "defer"}))
+    # refused at the spec, not first in the worker, when there is no ring to leave idle
+    with pytest.raises(ValueError, match="needs a ring"):
+        IonKVTierSpec(_cfg({**base, "ring_idle": True, "ring_mib": 0}))
 
 
 @pytest.mark.parametrize("issue_at,seed", [("submit", 81), ("finish", 82)])

@@ -103,6 +103,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_load_copy,
     check_overflow,
     check_ring_gather,
+    check_ring_idle,
     check_ring_shape,
     check_store_batch,
     check_store_completion,
@@ -236,9 +237,8 @@ class IonKVTierSpec(OffloadingSpec):
             float(extra.get("store_batch_blocks", 0)), float(extra.get("store_batch_steps", 8)))
         self.verify = parse_flag(extra.get("verify"))  # None: ION_KV_TIER_VERIFY
         # test-only: the ring made but unused (worker.py, "idle-ring probe")
-        self.ring_idle = bool(parse_flag(extra.get("ring_idle")))
-        if self.ring_idle and self.ring_overflow != "direct":
-            raise ValueError("Ion KV tier: ring_idle needs ring_overflow 'direct'")
+        self.ring_idle = check_ring_idle(bool(parse_flag(extra.get("ring_idle"))),
+                                         self.ring_overflow, self.ring_bytes)
         if self.ring_idle:
             logger.warning("Ion KV tier: ring_idle: the staging ring is allocated but "
                            "unused - a test-only probe, never for serving")

@@ -170,6 +170,20 @@ def check_store_batch(blocks: float, steps: float) -> tuple[int, int]:
     return int(blocks), int(steps)
 
 
+def check_ring_idle(ring_idle: bool, overflow: str, ring_bytes: int) -> bool:
+    """The test-only idle-ring probe's flag, checked: it needs ``overflow="direct"`` (a
+    ring no store uses would defer blocks forever) and a ring (``ring_bytes`` > 0); else a
+    ValueError naming the key."""
+    ring_idle = bool(ring_idle)
+    if ring_idle and overflow != "direct":
+        raise ValueError("Ion KV tier: ring_idle needs ring_overflow='direct' (a ring "
+                         "no store uses would defer blocks forever)")
+    if ring_idle and ring_bytes == 0:
+        raise ValueError("Ion KV tier: ring_idle needs a ring (ring_mib > 0); with "
+                         "ring_mib 0 there is nothing to leave idle")
+    return ring_idle
+
+
 def check_id_upload(choice: str, name: str = "id_upload") -> str:
     """``choice`` if it is one of ID_UPLOADS, else a ValueError naming ``name``."""
     return _check_choice(choice, ID_UPLOADS, name)

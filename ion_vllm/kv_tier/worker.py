@@ -217,6 +217,7 @@ from ion_vllm.kv_tier.staging_ring import (
     check_load_copy,
     check_overflow,
     check_ring_gather,
+    check_ring_idle,
     check_ring_shape,
     check_store_batch,
     check_store_completion,
@@ -654,13 +655,7 @@ class IonKVTierWorker(OffloadingWorker):
         self.overflow = check_overflow(overflow)
         # test-only probe (spec key ring_idle): the ring is made (its HBM, its gather
         # compiled) but no store uses it; every block is copied GPU -> host directly
-        self.ring_idle = bool(ring_idle)
-        if self.ring_idle and self.overflow != "direct":
-            raise ValueError("Ion KV tier: ring_idle needs ring_overflow='direct' (a ring "
-                             "no store uses would defer blocks forever)")
-        if self.ring_idle and ring_bytes == 0:
-            raise ValueError("Ion KV tier: ring_idle needs a ring (ring_mib > 0); with "
-                             "ring_mib 0 there is nothing to leave idle")
+        self.ring_idle = check_ring_idle(ring_idle, self.overflow, ring_bytes)
         self.issue_api = check_issue_api(issue_api)
         raw = self.issue_api == "raw"
         self.gather_priority = check_gather_priority(gather_priority)
