@@ -34,6 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from ion_vllm.bench.stream_trace import idle_gaps
+
 #: gap size bins (us): the lower edges; the last bin is open
 GAP_EDGES_US = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 100.0, 1000.0)
 #: gaps shorter than this (us) are float noise between back-to-back kernels (a trace's
@@ -42,21 +44,13 @@ MIN_GAP_US = 1e-3
 
 
 def idle_intervals(acts: list[dict], stream: str) -> list[tuple[float, float, str, str]]:
-    """The gaps between busy stretches of ``stream``'s kernels: (start, end, the name of
-    the kernel that ended last before the gap, the name of the kernel after it), in time
-    order.  Overlapping kernels are one stretch; back-to-back kernels leave no gap (nor do
-    kernels under ``MIN_GAP_US`` apart)."""
-    out = []
-    cur_end = None
-    last = ""
-    for a in acts:
-        if a["stream"] != stream or a["kind"] != "kernel":
-            continue
-        if cur_end is not None and a["start"] - cur_end >= MIN_GAP_US:
-            out.append((cur_end, a["start"], last, a["name"]))
-        if cur_end is None or a["end"] >= cur_end:
-            cur_end, last = a["end"], a["name"]
-    return out
+    """The gaps between busy stretches of ``stream``'s kernels (``stream_trace.idle_gaps``
+    at every size from ``MIN_GAP_US``): (start, end, the name of the kernel that ended last
+    before the gap, the name of the kernel after it), in time order.  Overlapping kernels
+    are one stretch; back-to-back kernels leave no gap (nor do kernels under
+    ``MIN_GAP_US`` apart)."""
+    return [(g0, g1, before["name"], after["name"])
+            for g0, g1, before, after in idle_gaps(acts, stream, MIN_GAP_US)]
 
 
 def gap_histogram(gaps: list[tuple], edges: tuple[float, ...] = GAP_EDGES_US) -> list[dict]:

@@ -201,14 +201,18 @@ def _top(table: dict, top: int) -> list[dict]:
 
 def idle_gaps(acts: list[dict], stream: str, gap_us: float):
     """The idle gaps of at least ``gap_us`` between kernels of ``stream``: (gap start, gap
-    end, the kernel after the gap), in time order."""
+    end, the kernel that ended last before the gap, the kernel after it), in time order.
+    Overlapping kernels are one busy stretch.  The one gap walk of the trace reports
+    (``host_waits``, ``gaps_near_side_work``, ``gap_profile.idle_intervals``)."""
     cur_end = None
+    last = None
     for a in acts:
         if a["stream"] != stream or a["kind"] != "kernel":
             continue
         if cur_end is not None and a["start"] - cur_end >= gap_us:
-            yield cur_end, a["start"], a
-        cur_end = a["end"] if cur_end is None else max(cur_end, a["end"])
+            yield cur_end, a["start"], last, a
+        if cur_end is None or a["end"] >= cur_end:
+            cur_end, last = a["end"], a
 
 
 def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float = 20.0,
@@ -230,7 +234,7 @@ def host_waits(acts: list[dict], hosts: list[dict], stream: str, gap_us: float =
            "host_late_us": 0.0, "device": 0, "device_us": 0.0, "unknown": 0,
            "unknown_us": 0.0}
     windows: list[tuple[float, float]] = []
-    for g0, g1, a in idle_gaps(acts, stream, gap_us):
+    for g0, g1, _, a in idle_gaps(acts, stream, gap_us):
         res["gaps"] += 1
         res["gap_us"] += g1 - g0
         ln = launch.get(a["corr"])
@@ -292,7 +296,7 @@ def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
     max_len = max((a["end"] - a["start"] for a in side), default=0.0)
     res = {"gap_threshold_us": gap_us, "lead_us": lead_us, "gaps": 0, "gap_us": 0.0,
            "alone": 0, "alone_us": 0.0}
-    for g0, g1, _ in idle_gaps(acts, stream, gap_us):
+    for g0, g1, _, _ in idle_gaps(acts, stream, gap_us):
         res["gaps"] += 1
         res["gap_us"] += g1 - g0
         w0 = g0 - lead_us
