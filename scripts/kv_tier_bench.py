@@ -270,11 +270,11 @@ def profile_summary(profile_dir: str, name: str, timeline_dir: str | None = None
     if not paths:
         return None
     trace = load_trace(paths[-1])
-    rep = summarize(trace)
+    acts = gpu_activities(trace)
+    rep = summarize(trace, acts=acts)
     rep["trace"] = os.path.relpath(paths[-1], profile_dir)
     cs = rep["compute_stream"]
     if cs is not None:
-        acts = gpu_activities(trace)
         rep["gaps"] = gap_profile.summarize_gaps(acts, cs)
         if timeline_dir:
             path = os.path.join(timeline_dir, f"timeline-{name}.npz")

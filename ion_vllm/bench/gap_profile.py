@@ -94,11 +94,13 @@ def _is_side_work(a: dict, stream: str, min_copy_bytes: int) -> bool:
 
 
 def idle_near_side_work(acts: list[dict], stream: str, near_us: float = 1000.0,
-                        min_copy_bytes: int = 64 << 10) -> dict:
+                        min_copy_bytes: int = 64 << 10,
+                        gaps: list[tuple] | None = None) -> dict:
     """The compute span (first to last kernel of ``stream``) split into ``near`` (within
     ``near_us`` of side work, ``_is_side_work``: it runs, or ran or starts that close) and
     ``far``: ``span_us`` and ``idle_us`` of each, and ``idle_share`` = idle / span.  With
-    no side work, all of the span is far."""
+    no side work, all of the span is far.  ``gaps``: ``idle_intervals(acts, stream)`` when
+    the caller has them already."""
     comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
     res = {"near_us": near_us}
     if not comp:
@@ -111,7 +113,7 @@ def idle_near_side_work(acts: list[dict], stream: str, near_us: float = 1000.0,
                    and a["end"] + near_us > t0 and a["start"] - near_us < t1])
     starts = [s for s, _ in zone]
     near_span = sum(e - s for s, e in zone)
-    gaps = idle_intervals(acts, stream)
+    gaps = idle_intervals(acts, stream) if gaps is None else gaps
     near_idle = sum(_overlap(g0, g1, zone, starts) for g0, g1, _, _ in gaps)
     idle = sum(g1 - g0 for g0, g1, _, _ in gaps)
     for k, span, idl in (("near", near_span, near_idle),
@@ -134,11 +136,12 @@ def _idle_by_window(gaps: list[tuple], t0: float, window_us: float) -> dict[int,
 
 
 def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
-                quantiles: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99)) -> dict:
+                quantiles: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99),
+                gaps: list[tuple] | None = None) -> dict:
     """The compute span cut into windows of ``window_us`` (the last, partial one dropped
     when under half a window): ``windows``, and the quantiles of the windows' idle share
     (``q`` -> share): thin and everywhere (the median moves) or in bursts (only the top
-    quantiles do)."""
+    quantiles do).  ``gaps`` as in ``idle_near_side_work``."""
     comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
     if not comp:
         return {"window_us": window_us, "windows": 0, "quantiles": {}}
@@ -148,7 +151,8 @@ def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
         n += 1
     if n == 0:
         return {"window_us": window_us, "windows": 0, "quantiles": {}}
-    per = _idle_by_window(idle_intervals(acts, stream), t0, window_us)
+    per = _idle_by_window(idle_intervals(acts, stream) if gaps is None else gaps, t0,
+                          window_us)
     idle = np.array([per.get(i, 0.0) for i in range(n)])
     span = np.full(n, window_us)
     span[-1] = min(window_us, t1 - (t0 + (n - 1) * window_us))
@@ -216,8 +220,8 @@ def summarize_gaps(acts: list[dict], stream: str, near_us: float = 1000.0,
     gaps = idle_intervals(acts, stream)
     return {"idle_us": sum(g[1] - g[0] for g in gaps), "gaps": len(gaps),
             "histogram": gap_histogram(gaps),
-            "near_side": idle_near_side_work(acts, stream, near_us),
-            "windows": window_idle(acts, stream, window_us),
+            "near_side": idle_near_side_work(acts, stream, near_us, gaps=gaps),
+            "windows": window_idle(acts, stream, window_us, gaps=gaps),
             "pairs": gap_pairs(gaps, pair_below_us)}
 
 

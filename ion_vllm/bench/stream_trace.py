@@ -320,12 +320,13 @@ def gaps_near_side_work(acts: list[dict], stream: str, gap_us: float = 20.0,
 
 
 def summarize(trace: dict, gap_us: float = 100.0, top: int = 8,
-              host_gap_us: float = 20.0) -> dict:
+              host_gap_us: float = 20.0, acts: list[dict] | None = None) -> dict:
     """The whole report of one trace: the compute stream, its busy/gap stats over its own
     span, every stream's table, the compute kernels' overlap slowdown, and the split of
     its idle gaps of ``host_gap_us`` or more between host and device (``host_waits``) and
-    by the side work near them (``gaps_near_side_work``)."""
-    acts = gpu_activities(trace)
+    by the side work near them (``gaps_near_side_work``).  ``acts``: the trace's
+    ``gpu_activities`` when the caller has them already."""
+    acts = gpu_activities(trace) if acts is None else acts
     cs = compute_stream(acts)
     comp = [(a["start"], a["end"]) for a in acts if a["stream"] == cs and a["kind"] == "kernel"]
     return {"compute_stream": cs, "activities": len(acts),
