@@ -624,15 +624,21 @@ def turn_table(results: list[dict], args) -> list[str]:
         per = [turn_seconds(x["wave_s"], args.conversations, args.wave) for x in runs]
         n = min(len(p) for p in per)
         rows.append((r["config"], [sum(p[t] for p in per) / len(per) for t in range(n)]))
+    return by_turn_lines("Wall seconds by turn (the sum of its waves; mean over repeats):",
+                         rows, lambda x: f"{x:.2f}")
+
+
+def by_turn_lines(title: str, rows: list[tuple[str, list]], cell) -> list[str]:
+    """A table of one row per (config, per-turn values), ``cell(value)`` rendering each,
+    rows with fewer turns padded with empty cells; empty without rows (``turn_table``,
+    ``phase_table``)."""
     if not rows:
         return []
     n = max(len(v) for _, v in rows)
-    out = ["", "Wall seconds by turn (the sum of its waves; mean over repeats):", "",
-           "| config | " + " | ".join(f"turn {t + 1}" for t in range(n)) + " |",
+    out = ["", title, "", "| config | " + " | ".join(f"turn {t + 1}" for t in range(n)) + " |",
            "|---|" + "---|" * n]
     for name, v in rows:
-        out.append(f"| {name} | " + " | ".join(f"{x:.2f}" for x in v)
-                   + " |" * (1 + n - len(v)))
+        out.append(f"| {name} | " + " | ".join(cell(x) for x in v) + " |" * (1 + n - len(v)))
     return out
 
 
@@ -649,17 +655,10 @@ def phase_table(results: list[dict]) -> list[str]:
         n = min(len(x["decode"]) for x in runs)
         rows.append((r["config"], [[sum(x[k][t] for x in runs) / len(runs) for k in PHASES]
                                    for t in range(n)]))
-    if not rows:
-        return []
-    n = max(len(v) for _, v in rows)
-    out = ["", "Requests' summed seconds by turn, queue / prefill / decode (queued -> "
-           "scheduled, scheduled -> first token, first -> last token; mean over repeats):",
-           "", "| config | " + " | ".join(f"turn {t + 1}" for t in range(n)) + " |",
-           "|---|" + "---|" * n]
-    for name, v in rows:
-        out.append(f"| {name} | " + " | ".join(" / ".join(f"{x:.1f}" for x in cell)
-                                              for cell in v) + " |" * (1 + n - len(v)))
-    return out
+    return by_turn_lines("Requests' summed seconds by turn, queue / prefill / decode "
+                         "(queued -> scheduled, scheduled -> first token, first -> last "
+                         "token; mean over repeats):", rows,
+                         lambda c: " / ".join(f"{x:.1f}" for x in c))
 
 
 def profile_lines(results: list[dict]) -> list[str]:
