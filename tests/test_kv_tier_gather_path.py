@@ -146,7 +146,7 @@ def test_the_spec_reads_the_gather_path_keys_and_refuses_bad_ones():
     with pytest.raises(ValueError, match="needs issue_api='raw'"):
         IonKVTierSpec(_cfg({**base, "gather_ids": "host", "issue_api": "torch"}))
     with pytest.raises(ValueError, match="gather_stream"):
-        IonKVTierSpec(_cfg({**base, "gather_stream": "compute"}))
+        IonKVTierSpec(_cfg({**base, "gather_stream": "side"}))
 
 
 def test_host_ids_without_the_raw_path_are_said_not_to_apply(monkeypatch, caplog):

@@ -251,6 +251,41 @@ def test_random_ops_cuda_gather_path_options(opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("issue_at", ["submit", "finish"])
+def test_random_ops_cuda_gather_on_the_compute_stream(issue_at):
+    """The ``ion-onestream`` data path on CUDA: the ring gather on the current (compute)
+    stream and loads through the copy engines, under the randomized harness (the harness
+    writes its KV blocks on the same current stream): every restored block verified,
+    blocks through the ring, no gather stream made, and the gather's end events recorded
+    on the current stream."""
+    from ion_vllm.kv_tier.runtime import CudaRuntime
+    from ion_vllm.kv_tier.testing import run_random_ops
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+    made, where = [], []
+
+    class Keep(IonKVTierWorker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    class Log(CudaRuntime):
+        def record(self, stream):
+            where.append(stream.cuda_stream)
+            return super().record(stream)
+
+    r = run_random_ops(53, 3000, copier="batch", device="cuda", worker_cls=Keep,
+                       runtime=Log(torch.device("cuda"), lean=True), issue_api="raw",
+                       issue_at=issue_at, load_copy="copier",
+                       worker_kw={"gather_stream": "compute"})
+    assert r.restored_blocks > 0 and r.verified_blocks > 0
+    assert r.worker_stats["d2d_blocks"] > 0
+    w = made[-1]
+    assert w._d2d is None and w.load_copy_impl == "copier" and w._raw_gather is not None
+    assert torch.cuda.current_stream().cuda_stream in where
+
+
+@pytest.mark.gpu
 def test_random_ops_cuda_raw_issue_small_id_stage():
     """issue_api="raw" with an id stage of 24 ids, so that regions wrap around while
     launches on other streams may still read them, and whose completion check answers

@@ -71,6 +71,10 @@ class CudaRuntime:
     def wait_current(self, stream: Any) -> None:
         stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def current_stream(self) -> Any:
+        """The current (compute) stream, for work queued in line with the forward pass."""
+        return torch.cuda.current_stream(self.device)
+
     def mark_current(self) -> Any:
         """An event at the current (compute) stream's present end, for ``wait_mark``
         later: "after the work enqueued so far", fixed now, waited on when issued."""
@@ -119,6 +123,7 @@ class SimRuntime:
         self.ops_run = 0
         #: stream name -> how many times it was ordered after the compute stream
         self.current_waits: dict[str, int] = {}
+        self._compute: _SimStream | None = None
 
     def new_stream(self, high_priority: bool) -> _SimStream:
         s = _SimStream(f"s{len(self.streams)}{'h' if high_priority else 'l'}")
@@ -151,6 +156,15 @@ class SimRuntime:
 
     def mark_current(self) -> object:
         return object()  # the compute stream is the host here: always done
+
+    def current_stream(self) -> _SimStream:
+        """A simulated stream standing for the compute stream, for work queued on it
+        (made on first use; its queued work runs in the same random interleavings as the
+        other streams').  The KV data the tests write is still produced by the host."""
+        if self._compute is None:
+            self._compute = _SimStream("compute")
+            self.streams.append(self._compute)
+        return self._compute
 
     def wait_mark(self, stream: _SimStream, mark: object) -> None:
         self.wait_current(stream)  # counted as an order after the compute stream

@@ -56,9 +56,12 @@ kv_connector_extra_config keys:
                                 this skips the ring and is copied GPU -> host directly
                                 (a spill), as a bulk prompt store; smaller jobs (decode
                                 blocks) keep using the ring
-  gather_stream                 "own" (default) | "drain": the GPU -> ring gather on a
-                                stream of its own (at gather_priority), or queued on the
-                                drain stream, the stream direct GPU -> host copies use
+  gather_stream                 "own" (default) | "drain" | "compute": the GPU -> ring
+                                gather on a stream of its own (at gather_priority),
+                                queued on the drain stream, the stream direct GPU -> host
+                                copies use, or on vLLM's compute stream in line with the
+                                forward pass, so that the tier runs no kernel on a
+                                stream of its own (worker.py, "One compute stream")
   gather_ids                    "device" (default) | "host": the gather kernel reads its
                                 block ids from a device buffer they are copied into, or
                                 from the pinned host buffer directly, so that a ring

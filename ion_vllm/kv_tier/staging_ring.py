@@ -72,9 +72,10 @@ HOST_DELAY_POINTS = ("submit", "finish")
 #: ``"high"`` (default): above vLLM's compute stream, so the gather's CTAs go first;
 #: ``"normal"``: the compute stream's priority.
 GATHER_PRIORITIES = ("high", "normal")
-#: ``gather_stream``: the GPU -> ring gather on its own stream (at ``gather_priority``), or
-#: on the drain stream, the stream the direct GPU -> host copies use
-GATHER_STREAMS = ("own", "drain")
+#: ``gather_stream``: the GPU -> ring gather on its own stream (at ``gather_priority``), on
+#: the drain stream, the stream the direct GPU -> host copies use, or on the compute stream
+#: itself, in line with the forward pass (no kernel on any other stream)
+GATHER_STREAMS = ("own", "drain", "compute")
 #: ``gather_ids``: where the gather kernel reads its block ids: a device buffer the ids are
 #: copied into (host -> device, on the gather's stream), or the pinned host buffer itself
 GATHER_IDS = ("device", "host")

@@ -33,7 +33,8 @@ Store (one job = the new full blocks of one request in one step)
 above it.  ``ring_max_job_blocks`` > 0 keeps jobs of more blocks than that off the
 ring: they are copied GPU -> host directly, as a spill (below), and only smaller jobs
 (a decode step's new block, a returning turn's few new blocks) use the ring.
-``gather_stream`` "drain" queues (1) on the drain stream instead of a stream of its own;
+``gather_stream`` "drain" queues (1) on the drain stream instead of a stream of its own,
+and "compute" on the compute stream itself (see "One compute stream" below);
 ``gather_ids`` "host" lets the gather kernel read its block ids from pinned host memory,
 so that (1) is one kernel launch with no host -> device copy in front of it.  The
 twenty-sixth and twenty-seventh sessions measured the ring path costing ~0.5 s of a
@@ -155,6 +156,23 @@ copied GPU -> host directly, as with ``ring_mib`` 0.  Every ring config measured
 the twenty-ninth session cost ~0.4-0.6 s of a 36 s cold turn against ``ring_mib`` 0, at
 any ring size (one 3.5 MiB slot to 256 MiB) and any piece count; this separates the
 ring's presence from its use (bench config ``ion-ringidle``).
+
+One compute stream (``gather_stream="compute"``; with ``load_copy="copier"``, bench config
+``ion-onestream``).  The thirtieth session's profiles (H100) found one signature behind
+both of Ion's measured losses, the ring's cost in a cold turn and the returning turns'
+cost: once the process has run a kernel on a stream other than vLLM's compute stream
+(the ring gather on its own stream; the SM load kernel on the load stream), every kernel
+boundary inside the decode steps' CUDA graphs idles ~0.4 us longer for the rest of the
+run, far from any side work as much as near it. The early launch of the next kernel is
+lost (11,004 of 11,004 boundaries of one pair show a gap, against ~2,000 of 11,144
+without side kernels). That is ~2% of a decode step. Configs that put only copy-engine
+copies on other streams (vLLM's native worker, ``ring_mib`` 0 before any load) keep the
+overlap. With ``gather_stream="compute"``, the gather kernel runs on the compute stream
+as it is at issue time (``submit_store`` / ``get_finished``, between the engine's
+forward passes), in line with the work that wrote its blocks, so it needs no
+cross-stream wait. With ``load_copy="copier"``, loads go to the copy engines. Together,
+the tier then runs no kernel on a stream of its own. This is a hypothesis until the
+next lease measures it; the defaults stay as they were.
 
 Verify mode (``ION_KV_TIER_VERIFY=1`` or the spec's ``verify`` key; a test mode,
 off by default: it costs GPU time and a host sync per finished load)
@@ -761,11 +779,14 @@ class IonKVTierWorker(OffloadingWorker):
                     "host -> GPU by %s", self.ring.num_slots, self.ring.nbytes >> 20,
                     self.ring_gather_impl, self.load_copy_impl)
         # gather_stream="drain": the gather (and flush bypasses) queue on the drain stream,
-        # the one stream the direct GPU -> host copies use (streams made in the same order)
+        # the one stream the direct GPU -> host copies use (streams made in the same order);
+        # "compute": the gather on the compute stream as it is at issue time (_d2d None),
+        # flush bypasses (GPU -> host copies) on the drain stream
         own = self.gather_stream == "own"
         d2d = self.rt.new_stream(high_priority=self.gather_priority == "high") if own else None
         self._drain = self.rt.new_stream(high_priority=False)
-        self._d2d = d2d if own else self._drain
+        self._d2d = d2d if own else (self._drain if self.gather_stream == "drain" else None)
+        self._bypass_stream = self._d2d if self._d2d is not None else self._drain
         self._load = self.rt.new_stream(high_priority=False)
         self._queue: deque[_StoreJob] = deque()  # jobs with blocks not yet issued
         self._ring_pieces: deque[_Piece] = deque()  # holding ring slots, FIFO
@@ -1047,19 +1068,23 @@ class IonKVTierWorker(OffloadingWorker):
     def _issue_ring_piece(self, job: _StoreJob, start: int, count: int) -> None:
         rt, cp, ring, gather = self.rt, self.copier, self.ring.buffer, self.ring_gather
         a, b = job.next_item, job.next_item + count
-        self._after_compute(self._d2d, job)
-        src_start = rt.record(self._d2d)
+        if self._d2d is not None:
+            d2d = self._d2d
+            self._after_compute(d2d, job)
+        else:  # gather_stream="compute": in line with the work that wrote the blocks
+            d2d = rt.current_stream()
+        src_start = rt.record(d2d)
         raw = self._raw_gather
         for g, i0, i1 in _group_runs(job.groups, a, b):
             ids = job.gpu[i0:i1]
             s = start + (i0 - a)
             if raw is not None:
-                rt.launch_on(self._d2d, lambda st, g=g, ids=ids, s=s:
+                rt.launch_on(d2d, lambda st, g=g, ids=ids, s=s:
                              raw.launch_on(st, s, g, ids))
             else:
-                rt.launch(self._d2d, lambda g=g, ids=ids, s=s: gather(ring, s, g, ids))
-        fp = self._launch_store_fingerprint(self._d2d, job, a, b) if self.verify else None
-        read_done = rt.record(self._d2d)
+                rt.launch(d2d, lambda g=g, ids=ids, s=s: gather(ring, s, g, ids))
+        fp = self._launch_store_fingerprint(d2d, job, a, b) if self.verify else None
+        read_done = rt.record(d2d)
         if fp is not None:
             fp.event = read_done
         rt.wait_event(self._drain, read_done)
@@ -1096,8 +1121,9 @@ class IonKVTierWorker(OffloadingWorker):
 
     def _issue_bypass(self, job: _StoreJob) -> None:
         """A flush of a job with deferred blocks: copy them GPU -> host now, on the
-        high-priority stream (``wait`` then blocks on it)."""
-        n, nbytes = self._issue_direct(job, self._d2d, spill=False)
+        gather's stream, or on the drain stream when the gather runs on the compute stream
+        (``wait`` then blocks on it)."""
+        n, nbytes = self._issue_direct(job, self._bypass_stream, spill=False)
         self.stats.bypass_blocks += n
         self.stats.bypass_bytes += nbytes
         PROCESS_COUNTERS.bypass_blocks += n
