@@ -139,6 +139,30 @@ def test_top_idle_windows_rank_bursts():
     assert gp.top_idle_windows([], "7") == []
 
 
+def test_idle_after_side_kernels_bins_each_boundary_by_the_last_side_kernel():
+    """Compute stream "7": kernels of 10 us at 0, 11, 30, 1300, 3000, 20,000, 20,012 and
+    20,030 us, so boundaries at 11 (gap 1), 30 (gap 9), 1300 (gap 1,260: not short), 3000
+    (gap 1,690: not short), 20,000 (gap 16,990: not short), 20,012 (gap 2) and 20,030
+    (gap 8).  Stream "9": one kernel at 20-40 us, which the boundary at 30 falls in; the
+    copy on "8" is not a kernel."""
+    starts = [0, 11, 30, 1300, 3000, 20000, 20012, 20030]
+    acts = [_act("7", t, t + 10, "K") for t in starts]
+    acts += [_act("9", 20, 40, "side"), _act("8", 0, 5000, "copy", kind="DtoH", nbytes=1 << 20)]
+    acts.sort(key=lambda a: a["start"])
+    rows = {r["bin"]: r for r in gp.idle_after_side_kernels(acts, "7")}
+    assert (rows["no side kernel yet"]["boundaries"], rows["no side kernel yet"]["idle_us"]) \
+        == (1, 1.0)
+    assert (rows["during"]["boundaries"], rows["during"]["idle_us"]) == (1, 9.0)
+    assert rows["1-10 ms after"]["boundaries"] == 2  # 1300 and 3000: long gaps, no idle
+    assert rows["1-10 ms after"]["idle_us"] == 0.0
+    far = rows[">= 100 ms after"]
+    assert far["boundaries"] == 0 and far["per_boundary_us"] is None
+    mid = rows["10-100 ms after"]  # 20,000, 20,012 and 20,030: 19.96-19.99 ms after
+    assert (mid["boundaries"], mid["idle_us"], mid["per_boundary_us"]) == (3, 10.0, 10 / 3)
+    assert [r["bin"] for r in gp.idle_after_side_kernels([], "")][:3] == [
+        "no side kernel yet", "during", "0-1 ms after"]
+
+
 def test_timeline_compare_script_reports_two_saved_waves(tmp_path):
     from script_loader import load_script
 
@@ -157,3 +181,4 @@ def test_timeline_compare_script_reports_two_saved_waves(tmp_path):
     assert "| A -> B | 2 | 2 | 5.5 | 7.5 | +2.0 |" in text
     assert "| B -> A | 1 | 1 | 3.0 | 3.0 | +0.0 |" in text
     assert "ion: the 10 0.1 ms windows with the most idle time" in text
+    assert "| ion | " in text and "by the time since the last kernel on another stream" in text

@@ -127,8 +127,9 @@ def test_the_spec_reads_compute_and_still_refuses_other_streams():
 
 def test_the_bench_configs_of_the_one_stream_path():
     """The three bench configs that test the reading: the keys each sets over the defaults."""
-    from scripts.kv_tier_bench import ION_CONFIGS
+    from script_loader import load_script
 
+    ION_CONFIGS = load_script("kv_tier_bench.py", "kv_tier_bench_onestream").ION_CONFIGS
     assert ION_CONFIGS["ion-gather-compute"] == {"gather_stream": "compute"}
     assert ION_CONFIGS["ion-onestream"] == {"gather_stream": "compute",
                                             "load_copy": "copier"}

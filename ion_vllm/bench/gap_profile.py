@@ -22,6 +22,9 @@ them:
   boundary of the step grew; ``pair_deltas`` compares two configs' pairs, and
   ``top_idle_windows`` finds where idle time comes in bursts
   (``scripts/timeline_compare.py`` runs both on two saved timelines).
+* ``idle_after_side_kernels``: the short idle time per kernel boundary by the time since
+  the last side-stream kernel: a cost that stays after side kernels (the thirtieth
+  session's reading) or one that sits beside them.
 * ``timeline_arrays`` / ``save_timeline`` / ``load_timeline``: every compute kernel (start,
   duration, name index) and every side activity, as numpy arrays in one compressed file
   (~1 MB for 300 steps of a 28-layer model).
@@ -211,6 +214,49 @@ def top_idle_windows(acts: list[dict], stream: str, window_us: float = 10_000.0,
     rows = [{"start_ms": i * window_us / 1e3, "idle_us": v} for i, v in idle.items()]
     rows.sort(key=lambda r: (-r["idle_us"], r["start_ms"]))
     return rows[:top]
+
+
+#: ``idle_after_side_kernels`` bins: time since the last side-stream kernel ended (us)
+SINCE_SIDE_EDGES_US = (0.0, 1_000.0, 10_000.0, 100_000.0)
+
+
+def idle_after_side_kernels(acts: list[dict], stream: str, below_us: float = 20.0,
+                            edges: tuple[float, ...] = SINCE_SIDE_EDGES_US,
+                            gaps: list[tuple] | None = None) -> list[dict]:
+    """The short idle time (gaps under ``below_us``) per kernel boundary of ``stream``, by
+    where the boundary sits relative to other streams' kernels: ``"no side kernel yet"``
+    (none has started), ``"during"`` (one is running), or the time since the last one ended
+    (bins from ``edges``).  Each row: ``bin``, ``boundaries`` (compute kernels after the
+    first), ``idle_us`` and ``per_boundary_us``.  It tells a cost that lasts (the same per
+    boundary long after the last side kernel) from one that sits beside the side kernels.
+    The thirtieth session's waves: ~0.57 us a boundary at every distance once a side kernel
+    had run, against ~0.17-0.20 us in waves with none."""
+    comp = sorted((a for a in acts if a["stream"] == stream and a["kind"] == "kernel"),
+                  key=lambda a: a["start"])
+    side = sorted((a for a in acts if a["stream"] != stream and a["kind"] == "kernel"),
+                  key=lambda a: a["start"])
+    gaps = idle_intervals(acts, stream) if gaps is None else gaps
+    short = {g[1]: g[1] - g[0] for g in gaps if g[1] - g[0] < below_us}
+    side_starts = [a["start"] for a in side]
+    side_end_max = list(np.maximum.accumulate([a["end"] for a in side])) if side else []
+    labels = ["no side kernel yet", "during"] + [
+        f"{lo / 1e3:g}-{hi / 1e3:g} ms after" for lo, hi in zip(edges, edges[1:])] + [
+        f">= {edges[-1] / 1e3:g} ms after"]
+    rows = {lab: {"bin": lab, "boundaries": 0, "idle_us": 0.0} for lab in labels}
+    for k in comp[1:]:
+        t = k["start"]
+        i = bisect.bisect_right(side_starts, t) - 1
+        if i < 0:
+            lab = labels[0]
+        elif side_end_max[i] > t:
+            lab = labels[1]
+        else:
+            j = bisect.bisect_right(edges, t - side_end_max[i]) - 1
+            lab = labels[2 + j]
+        rows[lab]["boundaries"] += 1
+        rows[lab]["idle_us"] += short.get(t, 0.0)
+    return [{**r, "per_boundary_us": r["idle_us"] / r["boundaries"] if r["boundaries"]
+             else None} for r in rows.values()]
 
 
 def summarize_gaps(acts: list[dict], stream: str, near_us: float = 1000.0,
