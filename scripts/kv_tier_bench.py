@@ -45,12 +45,13 @@ the three moved turn 1 either (twenty-eighth session: the cost does not follow p
 asks whether it follows the ring's size, with `ion-cegather` (no gather kernel). Both
 cost as much as the full ring (twenty-ninth session), so `ion-ringidle` (ring_idle: the
 256 MiB ring allocated and its gather compiled, every block copied GPU -> host directly,
-as `ion-noring` does) separates the ring's presence from its use. The thirtieth session's profiles tied both
-of Ion's losses to kernels on streams other than the compute stream (worker.py, "One
-compute stream"), so three configs test that: `ion-gather-compute` (gather_stream=compute:
-the ring gather on the compute stream), `ion-noring-ceload` (ring_mib=0, load_copy=copier:
-no ring and loads on the copy engines, no side kernel at all) and `ion-onestream` (both
-changes with the ring: the tier's only kernel on the compute stream).
+as `ion-noring` does) separates the ring's presence from its use. The thirtieth session's
+profiles tied both of Ion's losses to kernels on streams other than the compute stream
+(worker.py, "One compute stream"), so three configs test that: `ion-gather-compute`
+(gather_stream=compute: the ring gather on the compute stream), `ion-noring-ceload`
+(ring_mib=0, load_copy=copier: no ring and loads on the copy engines, no side kernel at
+all) and `ion-onestream` (both changes with the ring: the tier's only kernel on the
+compute stream).
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +

@@ -8,8 +8,9 @@ folder; ``ion_vllm/bench/gap_profile.py``), on a CPU:
 
 Prints, for A then B: the gap tables of ``gap_profile.markdown_lines``; the windows with
 the most idle time in each; the short idle time per kernel boundary by the time since the
-last side-stream kernel (``gap_profile.idle_after_side_kernels``); and the kernel boundaries (pairs of kernels around gaps under
-20 us) whose summed gap grew or shrank most from A to B."""
+last side-stream kernel (``gap_profile.idle_after_side_kernels``); and the kernel
+boundaries (pairs of kernels around gaps under 20 us) whose summed gap grew or shrank most
+from A to B."""
 
 import argparse
 import os
@@ -39,16 +40,18 @@ def compare_lines(a: tuple[str, list[dict]], b: tuple[str, list[dict]],
         out += ["", f"{label}: the {len(rows)} {window_us / 1e3:g} ms windows with the most "
                 "idle time (start ms: idle us):", "",
                 "; ".join(f"{r['start_ms']:g}: {r['idle_us']:.0f}" for r in rows) or "-"]
+    gaps_a, gaps_b = gp.idle_intervals(acts_a, sa), gp.idle_intervals(acts_b, sb)
+    since = [(la, gp.idle_after_side_kernels(acts_a, sa, gaps=gaps_a)),
+             (lb, gp.idle_after_side_kernels(acts_b, sb, gaps=gaps_b))]
     out += ["", "Idle in gaps under 20 us per compute kernel boundary, by the time since the "
             "last kernel on another stream (boundaries; us a boundary):", "",
-            "| config | " + " | ".join(r["bin"] for r in gp.idle_after_side_kernels([], "")) +
-            " |", "|---|" + "---|" * len(gp.idle_after_side_kernels([], ""))]
-    for label, acts, s in ((la, acts_a, sa), (lb, acts_b, sb)):
+            "| config | " + " | ".join(r["bin"] for r in since[0][1]) + " |",
+            "|---|" + "---|" * len(since[0][1])]
+    for label, rows in since:
         cells = [f"{r['boundaries']}; {r['per_boundary_us']:.3f}" if r["boundaries"] else "-"
-                 for r in gp.idle_after_side_kernels(acts, s)]
+                 for r in rows]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
-    deltas = gp.pair_deltas(gp.idle_intervals(acts_a, sa), gp.idle_intervals(acts_b, sb),
-                            top=top)
+    deltas = gp.pair_deltas(gaps_a, gaps_b, top=top)
     out += ["", f"Kernel boundaries (gaps under 20 us) by change from {la} to {lb}, largest "
             "first (summed gap us):", "",
             "| before -> after | count A | count B | us A | us B | delta us |",

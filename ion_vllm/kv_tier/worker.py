@@ -165,7 +165,7 @@ cost: once the process has run a kernel on a stream other than vLLM's compute st
 boundary inside the decode steps' CUDA graphs idles ~0.4 us longer for the rest of the
 run, far from any side work as much as near it. The early launch of the next kernel is
 lost (11,004 of 11,004 boundaries of one pair show a gap, against ~2,000 of 11,144
-without side kernels). That is ~2% of a decode step. Configs that put only copy-engine
+without side kernels). That is ~1.8% of a decode step. Configs that put only copy-engine
 copies on other streams (vLLM's native worker, ``ring_mib`` 0 before any load) keep the
 overlap. With ``gather_stream="compute"``, the gather kernel runs on the compute stream
 as it is at issue time (``submit_store`` / ``get_finished``, between the engine's
