@@ -3,13 +3,11 @@ queued on the compute stream as it is at issue time, so that the tier runs no ke
 stream of its own (with ``load_copy="copier"``: bench config ``ion-onestream``).  On the
 CPU: which streams the worker makes and where each copy of a ring piece goes, that the
 gather needs no cross-stream wait, that flush bypasses stay off the compute stream, the
-byte-for-byte round trip, the spec key, and the randomized store/evict/load/preempt
-harness under random interleavings of the compute stream with the others.  The CUDA side
+spec key, and the randomized store/evict/load/preempt harness under random interleavings
+of the compute stream with the others.  The byte-for-byte round trip of decode stores is
+``test_kv_tier_gather_path.py``'s, parametrized over both gather streams; the CUDA side
 is in tests/test_kv_tier_gpu.py."""
 
-import random
-
-import numpy as np
 import pytest
 
 from ion_vllm.kv_tier.staging_ring import check_gather_stream
@@ -74,26 +72,6 @@ def test_a_flush_bypass_goes_to_the_drain_stream_not_the_compute_stream():
     w.wait({4})
     rt.run_all()
     assert all(kvm.equal(d, data[b]) for d, b in zip(dst, data))
-
-
-def test_one_block_jobs_round_trip_through_the_ring_gathered_on_the_compute_stream():
-    """A run of one-block store jobs (decode stores), the streams stepped at random between
-    them, then loaded back elsewhere: every block byte-identical, all through the ring."""
-    kvm, rt, w = _rig(gather_stream="compute")
-    rng = np.random.default_rng(5)
-    data = {}
-    for j, b in enumerate(range(6)):
-        data[b] = kvm.random_block()
-        kvm.write(b, data[b])
-        _store(w, j, [b], [b])
-        rt.step(random.Random(j), int(rng.integers(0, 4)))
-    _until_done(rt, w, set(range(6)))
-    assert w.stats.d2d_blocks == 6 and w.stats.spill_blocks == 0
-    dst = list(range(10, 16))
-    _load(w, 100, list(range(6)), dst)
-    w.wait({100})
-    rt.run_all()
-    assert all(kvm.equal(d, data[b]) for d, b in zip(dst, range(6)))
 
 
 @pytest.mark.parametrize("host_layout", ["slot", "tensor"])

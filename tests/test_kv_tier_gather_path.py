@@ -84,10 +84,13 @@ def test_gather_stream_drain_queues_the_gather_on_the_drain_stream():
     assert w._d2d is w._drain and made == [False, False]  # drain, load
 
 
-def test_one_block_jobs_round_trip_through_the_ring_on_the_drain_stream():
+@pytest.mark.parametrize("stream", ["drain", "compute"])
+def test_one_block_jobs_round_trip_through_the_ring_on_another_gather_stream(stream):
     """A run of one-block store jobs (decode stores) through the ring with the gather on
-    the drain stream, then loaded back elsewhere: every block byte-identical."""
-    kvm, rt, w, _ = _worker(gather_stream="drain")
+    the drain stream or on the compute stream (``test_kv_tier_gather_compute.py``), the
+    streams stepped at random between them, then loaded back elsewhere: every block
+    byte-identical."""
+    kvm, rt, w, _ = _worker(gather_stream=stream)
     rng = np.random.default_rng(11)
     data = {}
     for j, b in enumerate(range(6)):
