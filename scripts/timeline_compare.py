@@ -31,18 +31,22 @@ def compare_lines(a: tuple[str, list[dict]], b: tuple[str, list[dict]],
                   window_us: float = 10_000.0, top: int = 10) -> list[str]:
     """The report for two (label, activities) waves."""
     (la, acts_a), (lb, acts_b) = a, b
-    sa, sb = compute_stream(acts_a), compute_stream(acts_b)
+    # each wave's compute stream and its gaps, walked once for every table below
+    waves = []
+    for label, acts in ((la, acts_a), (lb, acts_b)):
+        s = compute_stream(acts)
+        waves.append((label, acts, s, gp.idle_intervals(acts, s)))
     out = [f"# Compute-stream timelines: {la} (A) against {lb} (B)"]
-    out += gp.markdown_lines([(la, gp.summarize_gaps(acts_a, sa, window_us=window_us)),
-                              (lb, gp.summarize_gaps(acts_b, sb, window_us=window_us))])
-    for label, acts, s in ((la, acts_a, sa), (lb, acts_b, sb)):
-        rows = gp.top_idle_windows(acts, s, window_us, top)
+    out += gp.markdown_lines([(label, gp.summarize_gaps(acts, s, window_us=window_us,
+                                                        gaps=gaps))
+                              for label, acts, s, gaps in waves])
+    for label, acts, s, gaps in waves:
+        rows = gp.top_idle_windows(acts, s, window_us, top, gaps=gaps)
         out += ["", f"{label}: the {len(rows)} {window_us / 1e3:g} ms windows with the most "
                 "idle time (start ms: idle us):", "",
                 "; ".join(f"{r['start_ms']:g}: {r['idle_us']:.0f}" for r in rows) or "-"]
-    gaps_a, gaps_b = gp.idle_intervals(acts_a, sa), gp.idle_intervals(acts_b, sb)
-    since = [(la, gp.idle_after_side_kernels(acts_a, sa, gaps=gaps_a)),
-             (lb, gp.idle_after_side_kernels(acts_b, sb, gaps=gaps_b))]
+    since = [(label, gp.idle_after_side_kernels(acts, s, gaps=gaps))
+             for label, acts, s, gaps in waves]
     out += ["", "Idle in gaps under 20 us per compute kernel boundary, by the time since the "
             "last kernel on another stream (boundaries; us a boundary):", "",
             "| config | " + " | ".join(r["bin"] for r in since[0][1]) + " |",
@@ -51,6 +55,7 @@ def compare_lines(a: tuple[str, list[dict]], b: tuple[str, list[dict]],
         cells = [f"{r['boundaries']}; {r['per_boundary_us']:.3f}" if r["boundaries"] else "-"
                  for r in rows]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
+    gaps_a, gaps_b = waves[0][3], waves[1][3]
     deltas = gp.pair_deltas(gaps_a, gaps_b, top=top)
     out += ["", f"Kernel boundaries (gaps under 20 us) by change from {la} to {lb}, largest "
             "first (summed gap us):", "",

@@ -56,6 +56,11 @@ def idle_intervals(acts: list[dict], stream: str) -> list[tuple[float, float, st
             for g0, g1, before, after in idle_gaps(acts, stream, MIN_GAP_US)]
 
 
+def _kernels(acts: list[dict], stream: str) -> list[dict]:
+    """``stream``'s kernels, in the activities' (start) order."""
+    return [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+
+
 def gap_histogram(gaps: list[tuple], edges: tuple[float, ...] = GAP_EDGES_US) -> list[dict]:
     """Per size bin of ``edges`` (lower edges, us; the last bin open): ``lo``, ``hi`` (None
     for the last), ``count`` and ``us`` (summed length) of the gaps in it."""
@@ -104,7 +109,7 @@ def idle_near_side_work(acts: list[dict], stream: str, near_us: float = 1000.0,
     ``far``: ``span_us`` and ``idle_us`` of each, and ``idle_share`` = idle / span.  With
     no side work, all of the span is far.  ``gaps``: ``idle_intervals(acts, stream)`` when
     the caller has them already."""
-    comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    comp = _kernels(acts, stream)
     res = {"near_us": near_us}
     if not comp:
         for k in ("near", "far"):
@@ -145,7 +150,7 @@ def window_idle(acts: list[dict], stream: str, window_us: float = 10_000.0,
     when under half a window): ``windows``, and the quantiles of the windows' idle share
     (``q`` -> share): thin and everywhere (the median moves) or in bursts (only the top
     quantiles do).  ``gaps`` as in ``idle_near_side_work``."""
-    comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    comp = _kernels(acts, stream)
     if not comp:
         return {"window_us": window_us, "windows": 0, "quantiles": {}}
     t0, t1 = comp[0]["start"], max(a["end"] for a in comp)
@@ -203,14 +208,15 @@ def pair_deltas(a: list[tuple], b: list[tuple], below_us: float = 20.0, top: int
 
 
 def top_idle_windows(acts: list[dict], stream: str, window_us: float = 10_000.0,
-                     top: int = 10) -> list[dict]:
+                     top: int = 10, gaps: list[tuple] | None = None) -> list[dict]:
     """The ``top`` windows of ``window_us`` with the most idle time: ``start_ms`` (from the
     stream's first kernel) and ``idle_us``, most idle first: where a burst sits (a wave's
-    start waiting for loads, a preemption)."""
-    comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    start waiting for loads, a preemption).  ``gaps`` as in ``idle_near_side_work``."""
+    comp = _kernels(acts, stream)
     if not comp:
         return []
-    idle = _idle_by_window(idle_intervals(acts, stream), comp[0]["start"], window_us)
+    idle = _idle_by_window(idle_intervals(acts, stream) if gaps is None else gaps,
+                           comp[0]["start"], window_us)
     rows = [{"start_ms": i * window_us / 1e3, "idle_us": v} for i, v in idle.items()]
     rows.sort(key=lambda r: (-r["idle_us"], r["start_ms"]))
     return rows[:top]
@@ -231,10 +237,8 @@ def idle_after_side_kernels(acts: list[dict], stream: str, below_us: float = 20.
     boundary long after the last side kernel) from one that sits beside the side kernels.
     The thirtieth session's waves: ~0.57 us a boundary at every distance once a side kernel
     had run, against ~0.17-0.20 us in waves with none."""
-    comp = sorted((a for a in acts if a["stream"] == stream and a["kind"] == "kernel"),
-                  key=lambda a: a["start"])
-    side = sorted((a for a in acts if a["stream"] != stream and a["kind"] == "kernel"),
-                  key=lambda a: a["start"])
+    comp = _kernels(acts, stream)
+    side = [a for a in acts if a["stream"] != stream and a["kind"] == "kernel"]
     gaps = idle_intervals(acts, stream) if gaps is None else gaps
     short = {g[1]: g[1] - g[0] for g in gaps if g[1] - g[0] < below_us}
     side_starts = [a["start"] for a in side]
@@ -260,10 +264,11 @@ def idle_after_side_kernels(acts: list[dict], stream: str, below_us: float = 20.
 
 
 def summarize_gaps(acts: list[dict], stream: str, near_us: float = 1000.0,
-                   window_us: float = 10_000.0, pair_below_us: float = 20.0) -> dict:
+                   window_us: float = 10_000.0, pair_below_us: float = 20.0,
+                   gaps: list[tuple] | None = None) -> dict:
     """All of the above for one compute stream: ``histogram``, ``near_side``, ``windows``,
-    ``pairs``, and ``idle_us`` (the gaps' sum)."""
-    gaps = idle_intervals(acts, stream)
+    ``pairs``, and ``idle_us`` (the gaps' sum).  ``gaps`` as in ``idle_near_side_work``."""
+    gaps = idle_intervals(acts, stream) if gaps is None else gaps
     return {"idle_us": sum(g[1] - g[0] for g in gaps), "gaps": len(gaps),
             "histogram": gap_histogram(gaps),
             "near_side": idle_near_side_work(acts, stream, near_us, gaps=gaps),
@@ -279,7 +284,7 @@ def timeline_arrays(acts: list[dict], stream: str) -> dict[str, np.ndarray]:
     t0 = acts[0]["start"] if acts else 0.0
     names: dict[str, int] = {}
     kinds: dict[str, int] = {}
-    comp = [a for a in acts if a["stream"] == stream and a["kind"] == "kernel"]
+    comp = _kernels(acts, stream)
     side = [a for a in acts if not (a["stream"] == stream and a["kind"] == "kernel")]
 
     def sid(s: str) -> int:
