@@ -1,11 +1,12 @@
 """``gather_stream="compute"`` (worker.py, "One compute stream"): the GPU -> ring gather
 queued on the compute stream as it is at issue time, so that the tier runs no kernel on a
-stream of its own (with ``load_copy="copier"``: bench config ``ion-onestream``).  On the
+stream of its own (with ``load_copy="copier"``: bench config ``ion-onestream``, the
+defaults since the thirty-first session).  On the
 CPU: which streams the worker makes and where each copy of a ring piece goes, that the
 gather needs no cross-stream wait, that flush bypasses stay off the compute stream, the
 spec key, and the randomized store/evict/load/preempt harness under random interleavings
 of the compute stream with the others.  The byte-for-byte round trip of decode stores is
-``test_kv_tier_gather_path.py``'s, parametrized over both gather streams; the CUDA side
+``test_kv_tier_gather_path.py``'s, parametrized over the three gather streams; the CUDA side
 is in tests/test_kv_tier_gpu.py."""
 
 import pytest
@@ -26,7 +27,7 @@ def test_the_compute_gather_makes_no_stream_of_its_own():
     _, rt, w = _rig(gather_stream="compute")
     assert w._d2d is None and rt.made == [False, False]  # drain, load
     assert w._bypass_stream is w._drain
-    _, rt, own = _rig()
+    _, rt, own = _rig(gather_stream="own")
     assert own._bypass_stream is own._d2d and rt.made == [True, False, False]
 
 
@@ -103,12 +104,38 @@ def test_the_spec_reads_compute_and_still_refuses_other_streams():
         IonKVTierSpec(_cfg({**base, "gather_stream": "side"}))
 
 
-def test_the_bench_configs_of_the_one_stream_path():
-    """The three bench configs that test the reading: the keys each sets over the defaults."""
+def test_the_one_stream_path_is_the_default_of_the_spec_and_the_worker():
+    """Since the thirty-first session (measured 1.010 of native's throughput against the
+    side-stream pair's 0.994) the spec and the worker default to the gather on the compute
+    stream and copy-engine loads; the spec hands both to the worker it builds."""
+    import inspect
+
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+    from ion_vllm.kv_tier.worker import IonKVTierWorker
+    from tests.test_kv_tier_spec import _cfg
+
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 64 << 20}))
+    assert (s.gather_stream, s.load_copy) == ("compute", "copier")
+    params = inspect.signature(IonKVTierWorker).parameters
+    assert (params["gather_stream"].default, params["load_copy"].default) == ("compute",
+                                                                               "copier")
+    _, rt, w = _rig()
+    assert w._d2d is None and w.load_copy_impl == "copier" and rt.made == [False, False]
+
+
+def test_the_bench_configs_of_the_stream_paths():
+    """The bench configs that name stream keys name both, so that each stays the path it
+    measured whichever pair is the default."""
     from script_loader import load_script
 
     ION_CONFIGS = load_script("kv_tier_bench.py", "kv_tier_bench_onestream").ION_CONFIGS
-    assert ION_CONFIGS["ion-gather-compute"] == {"gather_stream": "compute"}
+    assert ION_CONFIGS["ion"] == {}
+    assert ION_CONFIGS["ion-gather-compute"] == {"gather_stream": "compute",
+                                                 "load_copy": "auto"}
     assert ION_CONFIGS["ion-onestream"] == {"gather_stream": "compute",
                                             "load_copy": "copier"}
     assert ION_CONFIGS["ion-noring-ceload"] == {"ring_mib": 0, "load_copy": "copier"}
+    assert ION_CONFIGS["ion-sidestreams"] == {"gather_stream": "own", "load_copy": "auto"}
+    assert ION_CONFIGS["ion-ceload"] == {"gather_stream": "own", "load_copy": "copier"}
+    assert ION_CONFIGS["ion-gather-normal"] == {"gather_stream": "own",
+                                                "gather_priority": "normal"}

@@ -78,16 +78,19 @@ def _worker(**kw):
 
 
 def test_gather_stream_drain_queues_the_gather_on_the_drain_stream():
-    _, _, own, made = _worker()
+    _, _, own, made = _worker(gather_stream="own")
     assert own._d2d is not own._drain and made == [True, False, False]  # gather, drain, load
+    _, _, default, made = _worker()  # the default, "compute": no gather stream made
+    assert default._d2d is None and made == [False, False]  # drain, load
     _, _, w, made = _worker(gather_stream="drain")
     assert w._d2d is w._drain and made == [False, False]  # drain, load
 
 
-@pytest.mark.parametrize("stream", ["drain", "compute"])
-def test_one_block_jobs_round_trip_through_the_ring_on_another_gather_stream(stream):
+@pytest.mark.parametrize("stream", ["own", "drain", "compute"])
+def test_one_block_jobs_round_trip_through_the_ring_on_each_gather_stream(stream):
     """A run of one-block store jobs (decode stores) through the ring with the gather on
-    the drain stream or on the compute stream (``test_kv_tier_gather_compute.py``), the
+    its own stream, on the drain stream or on the compute stream (the default;
+    ``test_kv_tier_gather_compute.py``), the
     streams stepped at random between them, then loaded back elsewhere: every block
     byte-identical."""
     kvm, rt, w, _ = _worker(gather_stream=stream)
@@ -145,7 +148,7 @@ def test_the_spec_reads_the_gather_path_keys_and_refuses_bad_ones():
     s = IonKVTierSpec(_cfg({**base, "gather_stream": "drain", "gather_ids": "host"}))
     assert (s.gather_stream, s.gather_ids) == ("drain", "host")
     d = IonKVTierSpec(_cfg(base))
-    assert (d.gather_stream, d.gather_ids) == ("own", "device")
+    assert (d.gather_stream, d.gather_ids) == ("compute", "device")
     with pytest.raises(ValueError, match="needs issue_api='raw'"):
         IonKVTierSpec(_cfg({**base, "gather_ids": "host", "issue_api": "torch"}))
     with pytest.raises(ValueError, match="gather_stream"):

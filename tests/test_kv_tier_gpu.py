@@ -105,7 +105,8 @@ def test_store_load_roundtrip_bandwidth():
     caches = [torch.randn(nb, 2, 8, 64, 128, device="cuda").to(torch.bfloat16)
               for _ in range(layers)]
     w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=128,
-                        ring_bytes=32 << 20, log_interval_s=0, issue_api="torch")
+                        ring_bytes=32 << 20, log_interval_s=0, issue_api="torch",
+                        load_copy="auto")
     assert w.load_copy_impl == "kernel"  # "auto" on CUDA with a pinned pool
     gpu = np.random.default_rng(0).permutation(nb)[:64].tolist()
     ref = [c[gpu].clone() for c in caches]
@@ -218,13 +219,15 @@ def test_random_ops_cuda_ring_shape_options(layout, host_layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [{"gather_ids": "host"}, {"gather_stream": "drain"},
-                                  {"gather_ids": "host", "gather_stream": "drain"}],
-                         ids=["host-ids", "drain-stream", "both"])
+                                  {"gather_ids": "host", "gather_stream": "drain"},
+                                  {"gather_stream": "own"}],
+                         ids=["host-ids", "drain-stream", "both", "own-stream"])
 def test_random_ops_cuda_gather_path_options(opts):
     """The ring gather reading its block ids from pinned host memory through unified
-    addressing (no host -> device copy), and/or queued on the drain stream: every restored
-    block verified under the randomized harness, blocks through the ring, and (host ids)
-    the mapped id stage used with no device buffer."""
+    addressing (no host -> device copy), and/or queued on the drain stream, or on a
+    stream of its own (the default until the thirty-first session): every restored block
+    verified under the randomized harness, blocks through the ring, and (host ids) the
+    mapped id stage used with no device buffer."""
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
     from ion_vllm.kv_tier.worker import IonKVTierWorker
@@ -248,16 +251,18 @@ def test_random_ops_cuda_gather_path_options(opts):
         assert w._gather_id_stage.staged > 0
     if opts.get("gather_stream") == "drain":
         assert w._d2d is w._drain
+    if opts.get("gather_stream") == "own":
+        assert w._d2d is not None and w._d2d is not w._drain
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("issue_at", ["submit", "finish"])
 def test_random_ops_cuda_gather_on_the_compute_stream(issue_at):
-    """The ``ion-onestream`` data path on CUDA: the ring gather on the current (compute)
-    stream and loads through the copy engines, under the randomized harness (the harness
-    writes its KV blocks on the same current stream): every restored block verified,
-    blocks through the ring, no gather stream made, and the gather's end events recorded
-    on the current stream."""
+    """The ``ion-onestream`` data path (the defaults) on CUDA: the ring gather on the
+    current (compute) stream and loads through the copy engines, under the randomized
+    harness (the harness writes its KV blocks on the same current stream): every restored
+    block verified, blocks through the ring, no gather stream made, and the gather's end
+    events recorded on the current stream."""
     from ion_vllm.kv_tier.runtime import CudaRuntime
     from ion_vllm.kv_tier.testing import run_random_ops
     from ion_vllm.kv_tier.worker import IonKVTierWorker

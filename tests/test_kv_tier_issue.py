@@ -109,13 +109,14 @@ def test_bad_issue_point_is_refused():
 
 
 def test_finish_orders_a_store_after_its_submit_time_mark():
-    """issue_at="finish": the store's copies are ordered after the compute stream's mark
-    taken at submit (counted as an order after the compute stream), not left unordered."""
-    kvm, rt, w = _rig("finish", ring_slots=1)  # 1 ring block, 1 spilled
+    """issue_at="finish", with the gather on a stream of its own: the store's copies are
+    ordered after the compute stream's mark taken at submit (counted as an order after the
+    compute stream), not left unordered."""
+    kvm, rt, w = _rig("finish", ring_slots=1, gather_stream="own")  # 1 ring block, 1 spilled
     _store(w, 1, [2, 3], [0, 1])
     assert w._stores[1].after is not None and rt.current_waits == {}
     w.get_finished()
     assert sum(rt.current_waits.values()) == 2  # the gather's stream and the spill's
-    kvm2, rt2, w2 = _rig("submit", ring_slots=1)
+    kvm2, rt2, w2 = _rig("submit", ring_slots=1, gather_stream="own")
     _store(w2, 1, [2, 3], [0, 1])
     assert w2._stores[1].after is None and sum(rt2.current_waits.values()) == 2

@@ -212,12 +212,17 @@ def test_detects_load_that_overtakes_a_drain(issue_at, seed):
 @pytest.mark.parametrize("issue_at,seed", [("finish", 23), ("submit", 22)])
 def test_detects_write_over_a_pending_drain(issue_at, seed):
     """Under completion="read" a host block can be evicted and written again (here by a
-    flush's bypass copy on another stream) while its old drain still runs."""
+    flush's bypass copy on another stream: the gather's own, gather_stream="own"; with the
+    default gather on the compute stream, bypasses queue on the drain stream itself)
+    while its old drain still runs."""
+    own = {"gather_stream": "own"}
     with pytest.raises(Corruption):
         run_random_ops(seed, 3000, worker_cls=_WriteOverPendingDrainWorker, overflow="defer",
-                       num_host_blocks=16, issue_at=issue_at)
+                       num_host_blocks=16, issue_at=issue_at, worker_kw=own)
     for s in (seed, seed + 2, seed + 3):  # the same runs with the real worker
-        run_random_ops(s, 3000, overflow="defer", num_host_blocks=16, issue_at=issue_at)
+        for kw in (own, None):
+            run_random_ops(s, 3000, overflow="defer", num_host_blocks=16, issue_at=issue_at,
+                           worker_kw=kw)
 
 
 def test_detects_unordered_drain():

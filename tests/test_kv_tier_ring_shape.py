@@ -151,9 +151,11 @@ def test_without_a_bound_the_same_job_uses_the_ring():
 
 @pytest.mark.parametrize("prio,high", [("high", True), ("normal", False)])
 def test_gather_priority_sets_the_gather_stream(prio, high):
-    _, rt, _ = _rig(gather_priority=prio)
+    _, rt, _ = _rig(gather_priority=prio, gather_stream="own")
     seen = rt.made
     assert seen[0] is high and not any(seen[1:])  # gather first; drain and load normal
+    _, rt, _ = _rig(gather_priority=prio)  # the default: the gather on the compute stream
+    assert rt.made == [False, False]  # drain and load only, at normal priority
 
 
 @pytest.mark.parametrize("kib,max_job,api,msg", [

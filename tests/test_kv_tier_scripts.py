@@ -131,7 +131,9 @@ def test_kv_tier_bench_configs_select_the_spec_and_its_variants():
     assert ext("ion-tensor") == {**base, "host_layout": "tensor"}
     assert ext("ion-cegather") == {**base, "ring_gather": "copier"}
     assert ext("ion-chunkdrain") == {**base, "drain_chunk_kib": 128}
-    assert ext("ion-gather-normal") == {**base, "gather_priority": "normal"}
+    assert ext("ion-gather-normal") == {**base, "gather_stream": "own",
+                                        "gather_priority": "normal"}
+    assert ext("ion-sidestreams") == {**base, "gather_stream": "own", "load_copy": "auto"}
     assert ext("ion-ringsmall") == {**base, "ring_max_job_blocks": 4}
     from ion_vllm.bench.offload_configs import offload_transfer_config
     with pytest.raises(ValueError, match="tier"):

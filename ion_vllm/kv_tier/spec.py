@@ -29,11 +29,13 @@ kv_connector_extra_config keys:
   ring_gather                   "auto" (default) | "kernel" | "copier": GPU -> ring
                                 copies by one Triton launch on the SMs, or by the
                                 copier (copy-engine descriptors; see page_gather.py)
-  load_copy                     "auto" (default) | "kernel" | "copier": host -> GPU
-                                loads by a few Triton programs on the SMs reading the
-                                pinned pool, or by the copier (copy engines, where a
-                                load holds up the forward pass's own input copies;
-                                see page_gather.py)
+  load_copy                     "copier" (default) | "auto" | "kernel": host -> GPU
+                                loads by the copier (copy engines, where a load holds
+                                up the forward pass's own input copies), or by a few
+                                Triton programs on the SMs reading the pinned pool
+                                ("auto": on CUDA with a pinned pool; see page_gather.py
+                                and worker.py, "One compute stream", for why the copy
+                                engines are the default since the thirty-first session)
   issue_at                      "submit" (default) | "finish": issue a submitted
                                 transfer's GPU work inside the submit call, before the
                                 step's forward pass is enqueued, or at the worker's next
@@ -47,7 +49,8 @@ kv_connector_extra_config keys:
                                 or the same GPU work through PyTorch and Triton's front
                                 ends (about 3x the host time a job)
   gather_priority               "high" (default) | "normal": stream priority of the
-                                GPU -> ring gather, above vLLM's compute stream or equal
+                                GPU -> ring gather's own stream (gather_stream "own"),
+                                above vLLM's compute stream or equal
   drain_chunk_kib               default 0: the ring drain copies a run of ring rows in
                                 one copy; > 0 cuts it into copies of at most that many
                                 KiB, issued in one batched call (issue_api "raw"; see
@@ -56,12 +59,13 @@ kv_connector_extra_config keys:
                                 this skips the ring and is copied GPU -> host directly
                                 (a spill), as a bulk prompt store; smaller jobs (decode
                                 blocks) keep using the ring
-  gather_stream                 "own" (default) | "drain" | "compute": the GPU -> ring
-                                gather on a stream of its own (at gather_priority),
-                                queued on the drain stream, the stream direct GPU -> host
-                                copies use, or on vLLM's compute stream in line with the
+  gather_stream                 "compute" (default) | "own" | "drain": the GPU -> ring
+                                gather on vLLM's compute stream in line with the
                                 forward pass, so that the tier runs no kernel on a
-                                stream of its own (worker.py, "One compute stream")
+                                stream of its own (worker.py, "One compute stream"),
+                                on a stream of its own (at gather_priority), or queued
+                                on the drain stream, the stream direct GPU -> host
+                                copies use
   gather_ids                    "device" (default) | "host": the gather kernel reads its
                                 block ids from a device buffer they are copied into, or
                                 from the pinned host buffer directly, so that a ring
@@ -222,7 +226,7 @@ class IonKVTierSpec(OffloadingSpec):
                                              "host_layout")
         self.ring_gather = check_ring_gather(str(extra.get("ring_gather", "auto")),
                                              "ring_gather")
-        self.load_copy = check_load_copy(str(extra.get("load_copy", "auto")), "load_copy")
+        self.load_copy = check_load_copy(str(extra.get("load_copy", "copier")), "load_copy")
         self.issue_at = check_issue_at(str(extra.get("issue_at", "submit")), "issue_at")
         self.id_upload = check_id_upload(str(extra.get("id_upload", "pin_memory")),
                                          "id_upload")
@@ -232,7 +236,7 @@ class IonKVTierSpec(OffloadingSpec):
         self.drain_chunk_bytes, self.ring_max_job_blocks = check_ring_shape(
             float(extra.get("drain_chunk_kib", 0)), float(extra.get("ring_max_job_blocks", 0)),
             self.issue_api)
-        self.gather_stream = check_gather_stream(str(extra.get("gather_stream", "own")),
+        self.gather_stream = check_gather_stream(str(extra.get("gather_stream", "compute")),
                                                  "gather_stream")
         self.gather_ids = check_gather_ids(str(extra.get("gather_ids", "device")),
                                            self.issue_api, "gather_ids")

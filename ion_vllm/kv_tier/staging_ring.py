@@ -48,8 +48,10 @@ RING_GATHERS = ("auto", "kernel", "copier")
 
 #: how blocks are copied host -> GPU (loads): by a few persistent Triton programs on the
 #: SMs that read the pinned host pool directly ("kernel"), by the copier (copy engines:
-#: "copier"), or the kernel where CUDA and Triton are there ("auto"); see page_gather.py
-#: for why a load on the copy engines stalls the forward pass
+#: "copier", the default), or the kernel where CUDA and Triton are there ("auto"); see
+#: page_gather.py for why a load on the copy engines can hold up the forward pass's input
+#: copies, and worker.py ("One compute stream") for why the copy engines still measured
+#: faster end to end
 LOAD_COPIES = ("auto", "kernel", "copier")
 #: When the worker issues a submitted transfer's GPU work (``worker.py``, "Issue"):
 #: ``"submit"`` (default): inside ``submit_store`` / ``submit_load``, before the step's
@@ -74,7 +76,7 @@ HOST_DELAY_POINTS = ("submit", "finish")
 GATHER_PRIORITIES = ("high", "normal")
 #: ``gather_stream``: the GPU -> ring gather on its own stream (at ``gather_priority``), on
 #: the drain stream, the stream the direct GPU -> host copies use, or on the compute stream
-#: itself, in line with the forward pass (no kernel on any other stream)
+#: itself, in line with the forward pass (no kernel on any other stream; the default)
 GATHER_STREAMS = ("own", "drain", "compute")
 #: ``gather_ids``: where the gather kernel reads its block ids: a device buffer the ids are
 #: copied into (host -> device, on the gather's stream), or the pinned host buffer itself
