@@ -454,12 +454,20 @@ def ttft_summary(by_turn: list[list[float]]) -> dict:
     the p50 of the returning turns (2 and later: the requests whose prefix the tier can
     restore; None with one turn), and the p50 of each turn (None for a turn with none).
     The p50 over all requests is bimodal on the 3-turn workload (each repeat lands near one
-    of two values, twenty-fifth session), so comparisons also need these."""
+    of two values, twenty-fifth session), so comparisons also need these; and the turn
+    (1-based) of the request that is that p50 (``pct`` takes one request, not a mean), to
+    tell whether the whole-run median is a cold turn-1 request or a returning one."""
     every = [x for t in by_turn for x in t]
     warm = [x for t in by_turn[1:] for x in t]
+    tagged = sorted((x, turn + 1) for turn, t in enumerate(by_turn) for x in t)
+    p50_turn = None
+    if tagged:
+        k = min(len(tagged) - 1, max(0, int(round(0.5 * (len(tagged) - 1)))))
+        p50_turn = tagged[k][1]
     return {"ttft_mean_ms": sum(every) / len(every) * 1e3 if every else None,
             "ttft_p50_warm_ms": pct(warm, 50) * 1e3 if warm else None,
-            "ttft_p50_by_turn_ms": [pct(t, 50) * 1e3 if t else None for t in by_turn]}
+            "ttft_p50_by_turn_ms": [pct(t, 50) * 1e3 if t else None for t in by_turn],
+            "ttft_p50_turn": p50_turn}
 
 
 def turn_fractions(cached: list[int], prompted: list[int]) -> list[float | None]:
@@ -570,10 +578,11 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     multi = [r for r in results if r.get("repeats", 1) > 1]
     if multi:
         lines += ["", "Per repeat:", "",
-                  "| config | seed | TTFT p50 ms | TTFT p50 by turn ms | total tok/s | "
-                  "host hit (lookups) | preemptions | cached by turn |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| config | seed | TTFT p50 ms | p50 from turn | TTFT p50 by turn ms | "
+                  "total tok/s | host hit (lookups) | preemptions | cached by turn |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {x['seed']} | {fmt(x['ttft_p50_ms'])} | "
+                  f"{fmt(x.get('ttft_p50_turn'))} | "
                   f"{' / '.join(fmt(v) for v in x.get('ttft_p50_by_turn_ms') or []) or '-'} | "
                   f"{fmt(x['total_tok_s'], 0)} | {fmt(x['host_hit_rate'], 3)} | "
                   f"{fmt(x['preemptions'], 0)} | "

@@ -129,7 +129,16 @@ def test_ttft_summary_splits_turns_and_survives_older_records(tmp_path):
     assert s["ttft_p50_by_turn_ms"] == [3000.0, bench.pct([0.2, 0.4], 50) * 1e3, None]
     one = bench.ttft_summary([[2.0]])
     assert one["ttft_p50_warm_ms"] is None and one["ttft_mean_ms"] == 2000.0
+    assert one["ttft_p50_turn"] == 1
     assert bench.ttft_summary([[], []])["ttft_mean_ms"] is None
+    assert bench.ttft_summary([[], []])["ttft_p50_turn"] is None
+    # the turn of the request that is the whole-run p50: the three-turn shape, fast
+    # returning turn 2, slow turn 3, cold turn 1 between them
+    shape = [[1.9, 2.0, 2.1, 1.8], [0.2, 0.3, 0.25, 0.21], [8.0, 8.2, 7.9, 8.1]]
+    got = bench.ttft_summary(shape)
+    assert got["ttft_p50_turn"] == 1
+    assert bench.pct([x for t in shape for x in t], 50) in shape[0]
+    assert bench.ttft_summary([[5.0, 6.0], [0.1, 0.2, 0.3]])["ttft_p50_turn"] == 2
 
     def run(cfg, seed, tok_s, extra):
         return {"config": cfg, "seed": seed, "requests": 4, "wall_s": 2.0,
@@ -140,7 +149,7 @@ def test_ttft_summary_splits_turns_and_survives_older_records(tmp_path):
                 "cached_frac_by_turn": [0.0, 0.9], "tier_metrics": {}, **extra}
 
     new = lambda m, w: {"ttft_mean_ms": m, "ttft_p50_warm_ms": w,  # noqa: E731
-                        "ttft_p50_by_turn_ms": [30.0, w]}
+                        "ttft_p50_by_turn_ms": [30.0, w], "ttft_p50_turn": 2}
     ion = bench.combine_repeats("ion", [run("ion", 0, 100.0, new(40.0, 10.0)),
                                         run("ion", 1, 100.0, new(60.0, 14.0))])
     nat = bench.combine_repeats("native-default", [run("native-default", 0, 100.0,
@@ -156,7 +165,7 @@ def test_ttft_summary_splits_turns_and_survives_older_records(tmp_path):
     assert "| TTFT mean ms | TTFT p50 turns 2+ ms |" in lines[4]
     row = next(x for x in lines if x.startswith("| ion-torch | "))
     assert "| - | - |" in row
-    assert any(x.startswith("| ion | 1 | 20.0 | 30.0 / 14.0 |") for x in lines)
+    assert any(x.startswith("| ion | 1 | 20.0 | 2 | 30.0 / 14.0 |") for x in lines)
     assert "- ion / native-default TTFT mean, paired by repeat: 1.000 ± 0.283 (2 pairs)" in lines
     assert ("- ion / native-default TTFT p50 of turns 2+, paired by repeat: 0.600 ± 0.141 "
             "(2 pairs)") in lines
