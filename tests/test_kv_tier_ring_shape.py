@@ -6,6 +6,7 @@ copier, which blocks take which path, the refusals, and the worker under the ran
 store/evict/load/preempt harness with every option on.  The CUDA side (the batched
 driver call) is in tests/test_kv_tier_gpu.py."""
 
+import logging
 import numpy as np
 import pytest
 
@@ -156,6 +157,15 @@ def test_gather_priority_sets_the_gather_stream(prio, high):
     assert seen[0] is high and not any(seen[1:])  # gather first; drain and load normal
     _, rt, _ = _rig(gather_priority=prio)  # the default: the gather on the compute stream
     assert rt.made == [False, False]  # drain and load only, at normal priority
+
+
+def test_a_gather_priority_without_a_gather_stream_is_said_not_to_apply(caplog):
+    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
+        _rig(gather_priority="normal", gather_stream="own")
+        assert "not applied" not in caplog.text
+        _rig(gather_priority="normal")
+    assert "gather_priority='normal' not applied" in caplog.text
+    assert "gather_stream='compute'" in caplog.text
 
 
 @pytest.mark.parametrize("kib,max_job,api,msg", [

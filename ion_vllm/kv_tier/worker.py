@@ -97,9 +97,10 @@ the same host blocks, and NOT after the compute stream.  By default (``load_copy
 "copier", since the thirty-first session; see "One compute stream") the copy engines
 move the bytes.  With ``load_copy`` "auto" on CUDA they are moved by a few persistent
 Triton programs that read the pinned host pool through its unified address
-(``page_gather.HostPageCopy``), not by the copy engines: copies of one direction run in issue order whatever their stream,
-so a load on the copy engines holds up the next engine step's own host -> GPU input
-copies, and with them the step, until the whole load has crossed PCIe (measured on
+(``page_gather.HostPageCopy``), not by the copy engines: copies of one direction run in
+issue order whatever their stream, so a load on the copy engines holds up the next
+engine step's own host -> GPU input copies, and with them the step, until the whole
+load has crossed PCIe (measured on
 the H200: 4.8 ms behind a 256 MiB load; 58 µs behind the kernel's; end to end on the
 reuse benchmark the two paths tied).  The destination blocks
 were just allocated to a request that computes nothing until the load is
@@ -787,6 +788,10 @@ class IonKVTierWorker(OffloadingWorker):
         # "compute": the gather on the compute stream as it is at issue time (_d2d None),
         # flush bypasses (GPU -> host copies) on the drain stream
         own = self.gather_stream == "own"
+        if not own and self.gather_priority != "high":
+            logger.warning("Ion KV tier: gather_priority=%r not applied: only "
+                           "gather_stream='own' gives the gather a stream of its own "
+                           "(gather_stream=%r)", self.gather_priority, self.gather_stream)
         d2d = self.rt.new_stream(high_priority=self.gather_priority == "high") if own else None
         self._drain = self.rt.new_stream(high_priority=False)
         self._d2d = d2d if own else (self._drain if self.gather_stream == "drain" else None)
