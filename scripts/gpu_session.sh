@@ -17,9 +17,10 @@
 #           scripts/copy_contention_probe.py (a 4 KiB GPU -> host copy behind one 256 MiB
 #           copy or behind it cut into 128 KiB / 1 MiB pieces in one batched call;
 #           COPYPROBE_MODES)
-#   sideprobe scripts/side_stream_probe.py: a CUDA graph's replay time per kernel before and
+#   sideprobe scripts/side_stream_probe.py: CUDA graphs' replay time per kernel before and
 #           after a copy, then a kernel, ran on a second stream (thirtieth session's reading;
-#           torch only, ~20 s)
+#           SIDEPROBE_GRAPHS, default torch,pdl,plain: PyTorch's adds and a Triton add with
+#           and without programmatic dependent launch; ~30 s)
 #   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
 #           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
 #           GPU block ids in consecutive runs, then at random
@@ -147,7 +148,8 @@ if want probes; then
     --probes d2h-4k,h2d-64k --out "$out/copyprobe"
 fi
 if want sideprobe; then
-  step sideprobe 120 python3 scripts/side_stream_probe.py --out "$out/sideprobe"
+  step sideprobe 120 python3 scripts/side_stream_probe.py \
+    --graphs "${SIDEPROBE_GRAPHS:-torch,pdl,plain}" --out "$out/sideprobe"
 fi
 if want copy; then
   for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random
