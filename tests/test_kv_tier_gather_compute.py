@@ -1,13 +1,13 @@
 """``gather_stream="compute"`` (worker.py, "One compute stream"): the GPU -> ring gather
 queued on the compute stream as it is at issue time, so that the tier runs no kernel on a
 stream of its own (with ``load_copy="copier"``: bench config ``ion-onestream``, the
-defaults since the thirty-first session).  On the
-CPU: which streams the worker makes and where each copy of a ring piece goes, that the
-gather needs no cross-stream wait, that flush bypasses stay off the compute stream, the
-spec key, and the randomized store/evict/load/preempt harness under random interleavings
-of the compute stream with the others.  The byte-for-byte round trip of decode stores is
-``test_kv_tier_gather_path.py``'s, parametrized over the three gather streams; the CUDA side
-is in tests/test_kv_tier_gpu.py."""
+defaults since the thirty-first session).  On the CPU: which streams the worker makes and
+where each copy of a ring piece goes, that the gather needs no cross-stream wait, that
+flush bypasses stay off the compute stream, the spec key and the defaults, and the
+randomized store/evict/load/preempt harness under random interleavings of the compute
+stream with the others.  The byte-for-byte round trip of decode stores is
+``test_kv_tier_gather_path.py``'s, parametrized over the three gather streams; the CUDA
+side is in tests/test_kv_tier_gpu.py."""
 
 import pytest
 

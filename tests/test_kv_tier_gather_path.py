@@ -90,9 +90,8 @@ def test_gather_stream_drain_queues_the_gather_on_the_drain_stream():
 def test_one_block_jobs_round_trip_through_the_ring_on_each_gather_stream(stream):
     """A run of one-block store jobs (decode stores) through the ring with the gather on
     its own stream, on the drain stream or on the compute stream (the default;
-    ``test_kv_tier_gather_compute.py``), the
-    streams stepped at random between them, then loaded back elsewhere: every block
-    byte-identical."""
+    ``test_kv_tier_gather_compute.py``), the streams stepped at random between them, then
+    loaded back elsewhere: every block byte-identical."""
     kvm, rt, w, _ = _worker(gather_stream=stream)
     rng = np.random.default_rng(11)
     data = {}
