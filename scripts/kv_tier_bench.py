@@ -149,12 +149,16 @@ def has_weights(model_dir: str) -> bool:
     return any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(model_dir))
 
 
+def pct_rank(n: int, p: float) -> int:
+    """The index ``pct`` takes the ``p``-th percentile from in ``n`` sorted values (the
+    nearest rank: one value, not a mean of two)."""
+    return min(n - 1, max(0, int(round(p / 100 * (n - 1)))))
+
+
 def pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
-    return xs[k]
+    return sorted(xs)[pct_rank(len(xs), p)]
 
 
 def child(cfg: dict) -> dict:
@@ -460,10 +464,7 @@ def ttft_summary(by_turn: list[list[float]]) -> dict:
     every = [x for t in by_turn for x in t]
     warm = [x for t in by_turn[1:] for x in t]
     tagged = sorted((x, turn + 1) for turn, t in enumerate(by_turn) for x in t)
-    p50_turn = None
-    if tagged:
-        k = min(len(tagged) - 1, max(0, int(round(0.5 * (len(tagged) - 1)))))
-        p50_turn = tagged[k][1]
+    p50_turn = tagged[pct_rank(len(tagged), 50)][1] if tagged else None
     return {"ttft_mean_ms": sum(every) / len(every) * 1e3 if every else None,
             "ttft_p50_warm_ms": pct(warm, 50) * 1e3 if warm else None,
             "ttft_p50_by_turn_ms": [pct(t, 50) * 1e3 if t else None for t in by_turn],

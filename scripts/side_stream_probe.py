@@ -46,6 +46,7 @@ vLLM."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -81,32 +82,29 @@ def report_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+@functools.cache
 def _add_kernel_fn():
     """The Triton add of the ``pdl`` / ``plain`` graphs (imported late: the CPU tests and
     the torch graph need no Triton), built once."""
-    global _ADD_KERNEL
-    if _ADD_KERNEL is None:
-        import triton
-        import triton.language as tl
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-        @triton.jit
-        def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-            if PDL:
-                gdc_wait()  # the predecessor's writes (a_ptr) are visible after this
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            a = tl.load(a_ptr + offs, mask=m)
-            b = tl.load(b_ptr + offs, mask=m)
-            if PDL:
-                gdc_launch_dependents()  # the next kernel may start its prologue now
-            tl.store(out_ptr + offs, a + b, mask=m)
+    @triton.jit
+    def _add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()  # the predecessor's writes (a_ptr) are visible after this
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        a = tl.load(a_ptr + offs, mask=m)
+        b = tl.load(b_ptr + offs, mask=m)
+        if PDL:
+            gdc_launch_dependents()  # the next kernel may start its prologue now
+        tl.store(out_ptr + offs, a + b, mask=m)
 
-        _ADD_KERNEL = _add_kernel
-    return _ADD_KERNEL
+    return _add_kernel
 
 
-_ADD_KERNEL = None
 #: elements per program of the Triton add
 ADD_BLOCK = 4096
 

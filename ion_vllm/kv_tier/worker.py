@@ -100,9 +100,8 @@ Triton programs that read the pinned host pool through its unified address
 (``page_gather.HostPageCopy``), not by the copy engines: copies of one direction run in
 issue order whatever their stream, so a load on the copy engines holds up the next
 engine step's own host -> GPU input copies, and with them the step, until the whole
-load has crossed PCIe (measured on
-the H200: 4.8 ms behind a 256 MiB load; 58 µs behind the kernel's; end to end on the
-reuse benchmark the two paths tied).  The destination blocks
+load has crossed PCIe (measured on the H200: 4.8 ms behind a 256 MiB load; 58 µs behind
+the kernel's; end to end on the reuse benchmark the two paths tied).  The destination blocks
 were just allocated to a request that computes nothing until the load is
 reported finished; the only writer that could still touch them is an in-flight
 step of the request that freed them (async scheduling: step N runs while step
