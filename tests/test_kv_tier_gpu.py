@@ -139,7 +139,7 @@ def test_finish_store_waits_for_the_compute_work_before_submit_not_after():
               for _ in range(2)]
     w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=16,
                         ring_bytes=8 << 20, log_interval_s=0, issue_at="finish",
-                        issue_api="torch")
+                        issue_api="torch", gather_stream="own")
     gpu = [3, 9, 17]
     torch.cuda._sleep(20_000_000)  # ~10 ms of compute before the blocks are written
     want = [torch.randn(len(gpu), 2, 4, 16, 128, device="cuda").to(torch.bfloat16)
@@ -322,10 +322,12 @@ def test_random_ops_cuda_raw_issue_small_id_stage():
 
 
 @pytest.mark.gpu
-def test_raw_issue_roundtrip_through_the_engine_default_runtime():
+@pytest.mark.parametrize("load_copy", ["auto", "copier"])
+def test_raw_issue_roundtrip_through_the_engine_default_runtime(load_copy):
     """issue_api="raw" with the runtime the worker builds itself (lean stream switches):
     64 blocks through a 32 MiB ring and back, bytes identical, and the caller's current
-    stream is the same afterwards."""
+    stream is the same afterwards; loads through the Triton load kernel's raw launcher
+    ("auto") and through the copy engines (the default, "copier")."""
     import numpy as np
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -338,8 +340,10 @@ def test_raw_issue_roundtrip_through_the_engine_default_runtime():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         w = IonKVTierWorker(canonicalize_layer_caches(caches, nb), num_host_blocks=128,
-                            ring_bytes=32 << 20, log_interval_s=0, issue_api="raw")
-        assert w.rt.lean and w._raw_gather is not None and w._raw_load is not None
+                            ring_bytes=32 << 20, log_interval_s=0, issue_api="raw",
+                            load_copy=load_copy)
+        assert w.rt.lean and w._raw_gather is not None
+        assert (w._raw_load is not None) == (load_copy == "auto"), w.load_copy_impl
         gpu = np.random.default_rng(1).permutation(nb)[:64].tolist()
         ref = [c[gpu].clone() for c in caches]
         _store_zero_until_reported(
