@@ -123,10 +123,11 @@ def test_store_load_roundtrip_bandwidth():
 
 @pytest.mark.gpu
 def test_finish_store_waits_for_the_compute_work_before_submit_not_after():
-    """issue_at="finish": a store issued after more compute work was enqueued (the next
-    step's forward pass) still reads its blocks as soon as the work before its submit is
-    done: its ring gather completes while a later 200 ms sleep on the compute stream still
-    runs, and the bytes are the ones written before the submit."""
+    """issue_at="finish", with the gather on its own stream (on the compute stream it
+    would wait for the later work by construction): a store issued after more compute work
+    was enqueued (the next step's forward pass) still reads its blocks as soon as the work
+    before its submit is done: its ring gather completes while a later 200 ms sleep on the
+    compute stream still runs, and the bytes are the ones written before the submit."""
     import time
 
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
