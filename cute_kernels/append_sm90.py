@@ -168,7 +168,7 @@ _CACHE: Dict[Tuple, Any] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def _compiled_kernel(dtype: torch.dtype, head_dim: int, num_kv_heads: int,
+def compiled_kv_append(dtype: torch.dtype, head_dim: int, num_kv_heads: int,
                      page_size: int, index_dtype: torch.dtype) -> Any:
     key = (dtype, head_dim, num_kv_heads, page_size, index_dtype)
     fn = _CACHE.get(key)
@@ -285,5 +285,5 @@ def kv_append(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
             raise ValueError("slot_mapping must be contiguous")
         slot_mapping = slot_mapping.as_strided((1,), (1,), slot_mapping.storage_offset())
 
-    fn = _compiled_kernel(dtype, head_dim, hkv, page_size, slot_mapping.dtype)
+    fn = compiled_kv_append(dtype, head_dim, hkv, page_size, slot_mapping.dtype)
     fn(key, value, k_cache_v, v_cache_v, slot_mapping)

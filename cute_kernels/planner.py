@@ -11,13 +11,13 @@ whether to split the KV range flash-decoding style, and balances the surviving i
 Split-KV partial-output layout (shared with the kernel and its combine pass):
   * fp32 workspace ``partial_o [partial_rows, D]`` plus ``partial_lse [partial_rows]``.
   * A split group (b, h, q tile) with ``S`` splits and ``ntok`` tokens owns
-    ``S * ntok * Gp`` consecutive rows starting at its ``base`` (``Plan.combine[:, 5]``);
+    ``S * ntok * Gp`` consecutive rows starting at its ``base`` (combine column ``C_BASE``);
     split ``s`` writes rows ``base + s * ntok * Gp + r`` where ``r = t * Gp + g`` is the
     packed MMA row (token ``t`` of the tile, group head ``g``; rows with ``g >= G`` are
     padding and need not be written).  ``Plan.partial_offsets[i]`` is that split's first
     row (``base + s * ntok * Gp``), ``-1`` for unsplit items.
 
-Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col 8 = ``W_QHEAD``):
+Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col ``QHEAD``):
   * A packed item (col 8 = -1) is today's q tile: ``tokens_per_tile = tile_m // Gp`` tokens
     times ``Gp`` q heads.  An unpacked item (col 8 = g >= 0) is ONE q head ``h * G + g`` times
     ``tile_m`` (64) consecutive new tokens of the request (cols 2/3 in tokens as always), so
@@ -42,39 +42,30 @@ Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col 8 = ``W_Q
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
+from . import worklist as W
+from .cost_model import DEFAULT_COST_MODEL, CostModel
+from .options import PAGE_SIZE
+from .worklist import COMBINE_COLS, WORK_COLS
+
 __all__ = [
-    "CostModel",
-    "DEFAULT_COST_MODEL",
     "Plan",
-    "WORK_COLS",
-    "PACKED_WORK_COLS",
-    "COMBINE_COLS",
     "next_pow2",
-    "W_QHEAD",
     "unpacked_requests",
     "kv_units",
     "partial_row",
     "fresh_tile_owned",
+    "fresh_mask_units",
     "fresh_writeback_items",
     "plan",
     "plan_reuse_key",
-    "decode_units",
-    "repage",
     "pack_plan",
     "worst_case_items",
     "worst_case_groups",
 ]
-
-WORK_COLS = 9
-#: the default (packed-only) kernels read an 8-column work list: column W_QHEAD exists only
-#: for plans made with unpacked_prefill=True (their kernel variant reads 9 columns)
-PACKED_WORK_COLS = 8
-W_QHEAD = 8  # -1: packed q tile (Gp heads x tokens_per_tile tokens); g >= 0: unpacked q head
-COMBINE_COLS = 6  # b, h, tok0, ntok, num_splits, partial row base
 
 # Only a few of the best split candidates (ranked by a lower bound) are scheduled for real.
 _MAX_SPLIT_EVALS = 3
@@ -122,7 +113,7 @@ def partial_row(partial_offset, token, group_pad: int, q_head=-1, slot=0, split=
     return np.where(np.asarray(q_head) >= 0, unpacked, packed)
 
 
-def kv_units(ctx, last_new_token, page_size: int = 64):
+def kv_units(ctx, last_new_token, page_size: int = PAGE_SIZE):
     """Fused-writeback (``fresh_kv``) KV units a q tile reads: the ``ceil(ctx / P)`` old
     pages of the cache (positions < ``ctx`` = tokens cached before this step), then the
     fresh tiles 0 ..= ``last_new_token // P`` (fresh tile ``k`` = new tokens
@@ -133,22 +124,7 @@ def kv_units(ctx, last_new_token, page_size: int = 64):
     return -(-ctx // page_size) + last // page_size + 1
 
 
-def fresh_tiles_straddle(query_start_loc, seq_lens, page_size: int = 64) -> bool:
-    """Whether the fused writeback of this batch has a fresh tile whose valid rows reach
-    into a second cache page (docs/contract.md, "Stores"): a request with new tokens whose
-    context ``ctx = seq_len - q_len`` is not a page multiple and whose tokens run past
-    the end of the page ``ctx`` lies in.  Fresh tile ``k`` starts at ``ctx + k*P``, so
-    every fresh tile of such a request but possibly its last straddles; a decode row (one
-    token, in ctx's page) never does.  Pure function of the host lengths."""
-    qsl = np.asarray(query_start_loc, dtype=np.int64)
-    sl = np.asarray(seq_lens, dtype=np.int64)
-    q_len = np.diff(qsl)
-    ctx = sl - q_len
-    return bool(np.any((q_len > 0) & (ctx % page_size != 0)
-                       & (sl > (ctx // page_size + 1) * page_size)))
-
-
-def fresh_mask_units(ctx, pos0, seq_len, page_size: int = 64):
+def fresh_mask_units(ctx, pos0, seq_len, page_size: int = PAGE_SIZE):
     """``(u_part, u_diag)``: the KV units of a fused-writeback item whose keys may need
     the element-wise mask (``attention_sm90._mask_unit``, which decides with the same
     arithmetic once an item).  Unit ``u`` of a request with ``ctx`` cached tokens is old
@@ -167,7 +143,7 @@ def fresh_mask_units(ctx, pos0, seq_len, page_size: int = 64):
     return u_part, u_diag
 
 
-def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64, q_head=None):
+def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = PAGE_SIZE, q_head=None):
     """Writeback ownership rule of the fused kernel (``attention_sm90`` uses the same test):
     fresh tile ``k`` of (request, KV head) is written to the cache by the item whose q tile
     (new tokens ``q_start .. q_start + q_cnt - 1``) holds new token
@@ -186,23 +162,24 @@ def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = 64, q_head=None)
     return own
 
 
-def fresh_writeback_items(work, query_start_loc, seq_lens, page_size: int = 64) -> np.ndarray:
+def fresh_writeback_items(work, query_start_loc, seq_lens, page_size: int = PAGE_SIZE) -> np.ndarray:
     """``int64 [m, 4]`` rows (item, request, KV head, fresh tile k): every fresh tile that
     item of a ``fresh_kv`` work list writes back to the cache, in item order."""
     w = np.asarray(work, dtype=np.int64).reshape(-1, WORK_COLS)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     sl = np.asarray(seq_lens, dtype=np.int64)
-    b = w[:, 0]
+    b = w[:, W.REQ]
     q_len = qsl[b + 1] - qsl[b]
     n_old = -(-(sl[b] - q_len) // page_size)
-    k0 = np.maximum(w[:, 4] - n_old, 0)
-    k1 = np.maximum(w[:, 5] - n_old, 0)
-    cnt = np.where(w[:, 3] > 0, k1 - k0, 0)  # all-zero padding rows own nothing
+    k0 = np.maximum(w[:, W.P0] - n_old, 0)
+    k1 = np.maximum(w[:, W.P1] - n_old, 0)
+    cnt = np.where(w[:, W.QLEN] > 0, k1 - k0, 0)  # all-zero padding rows own nothing
     item = np.repeat(np.arange(w.shape[0], dtype=np.int64), cnt)
     k = np.arange(item.shape[0], dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + k0[item]
-    own = fresh_tile_owned(w[item, 2], w[item, 3], q_len[item], k, page_size,
-                           w[item, W_QHEAD])
-    return np.stack([item[own], b[item][own], w[item, 1][own], k[own]], axis=1).reshape(-1, 4)
+    own = fresh_tile_owned(w[item, W.QSTART], w[item, W.QLEN], q_len[item], k, page_size,
+                           w[item, W.QHEAD])
+    return np.stack([item[own], b[item][own], w[item, W.HEAD][own], k[own]],
+                    axis=1).reshape(-1, 4)
 
 
 def _tiling_cost(q_len, seq_len, tpt: int, row_mult: int, page_size: int, cm, fresh_kv: bool):
@@ -221,7 +198,7 @@ def _tiling_cost(q_len, seq_len, tpt: int, row_mult: int, page_size: int, cm, fr
     return np.bincount(req, weights=cost, minlength=q_len.shape[0])
 
 
-def unpacked_requests(query_start_loc, seq_lens, *, group_size: int, page_size: int = 64,
+def unpacked_requests(query_start_loc, seq_lens, *, group_size: int, page_size: int = PAGE_SIZE,
                       tile_m: int = 64, cost_model: "CostModel | None" = None,
                       fresh_kv: bool = False) -> np.ndarray:
     """bool per request: tiled one q head x ``tile_m`` tokens (unpacked) under
@@ -247,91 +224,18 @@ def unpacked_requests(query_start_loc, seq_lens, *, group_size: int, page_size: 
     return out
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Analytic per-item cost model, in microseconds of one CTA (one SM).
-
-    item(pages, rows, split) = item_overhead_us                      (prologue/epilogue, fixed)
-                             + rows * D * q_bytes / bw                (Q tile load)
-                             + pages * max(page_mem, page_mma)        (KV main loop, overlapped)
-                             + store(rows, split)                     (out or fp32 partial)
-      page_mem = 2 * page_size * D * kv_bytes / bw                    (K page + V page)
-      page_mma = 4 * max(rows, min_mma_rows) * page_size * D / flops  (QK^T and PV GEMMs)
-      store    = rows * D * q_bytes / bw                              (unsplit: writes out)
-               | split_item_overhead_us + rows * (D + 1) * partial_bytes / bw   (split)
-    combine(groups) = combine_launch_us
-                    + sum_g (S_g * rows_g * (D + 1) * partial_bytes + rows_g * D * q_bytes)
-                      / (bw * num_ctas)          (separate pass, all CTAs, bandwidth bound)
-    where bw is bytes/us per CTA and flops is flop/us per CTA.
-    """
-
-    head_dim: int = 128
-    kv_bytes: int = 2
-    q_bytes: int = 2
-    partial_bytes: int = 4
-    hbm_gbps_per_cta: float = 4800.0 / 132.0  # H200 HBM3e shared by 132 SMs
-    mma_tflops_per_cta: float = 989.0 / 132.0  # H200 dense bf16 wgmma per SM
-    min_mma_rows: int = 64  # wgmma M granularity: a tile always computes 64 rows
-    item_overhead_us: float = 1.0
-    split_item_overhead_us: float = 0.25
-    combine_launch_us: float = 3.0
-    # Split-KV is only used when it lowers the modeled time by more than this fraction of
-    # the no-split time (hysteresis against model error; the combine pass is real work).
-    split_min_gain: float = 0.03
-
-    @property
-    def bytes_per_us(self) -> float:
-        return self.hbm_gbps_per_cta * 1e3
-
-    @property
-    def flops_per_us(self) -> float:
-        return self.mma_tflops_per_cta * 1e6
-
-    def page_us(self, rows, page_size: int) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.float64)
-        d = self.head_dim
-        mem = 2.0 * page_size * d * self.kv_bytes / self.bytes_per_us
-        mma = 4.0 * np.maximum(rows, self.min_mma_rows) * page_size * d / self.flops_per_us
-        return np.maximum(mem, mma)
-
-    def fixed_us(self, rows, split) -> np.ndarray:
-        """Per-item cost that does not depend on the number of pages."""
-        rows = np.asarray(rows, dtype=np.float64)
-        d = self.head_dim
-        bw = self.bytes_per_us
-        q_load = rows * d * self.q_bytes / bw
-        store_out = rows * d * self.q_bytes / bw
-        store_part = self.split_item_overhead_us + rows * (d + 1) * self.partial_bytes / bw
-        return self.item_overhead_us + q_load + np.where(split, store_part, store_out)
-
-    def item_us(self, pages, rows, page_size: int, split) -> np.ndarray:
-        pages = np.asarray(pages, dtype=np.float64)
-        return self.fixed_us(rows, split) + pages * self.page_us(rows, page_size)
-
-    def combine_us(self, splits, rows, num_ctas: int) -> float:
-        """Modeled wall time of the combine pass for split groups (0 if there is none)."""
-        splits = np.asarray(splits, dtype=np.float64)
-        if splits.size == 0:
-            return 0.0
-        rows = np.asarray(rows, dtype=np.float64)
-        d = self.head_dim
-        nbytes = np.sum(splits * rows * (d + 1) * self.partial_bytes + rows * d * self.q_bytes)
-        return float(self.combine_launch_us + nbytes / (self.bytes_per_us * num_ctas))
-
-
-DEFAULT_COST_MODEL = CostModel()
 
 
 @dataclass(frozen=True)
 class Plan:
-    work: np.ndarray  # int32 [n_items, 9], columns as docs/contract.md
+    work: np.ndarray  # int32 [n_items, WORK_COLS], columns: worklist.py
     cta_offsets: np.ndarray  # int32 [num_ctas + 1]
     num_splits_max: int  # max col 7 (1 = no split anywhere)
     partial_rows: int  # fp32 partial rows needed (0 when no split)
     cta_cost: np.ndarray  # float64 [num_ctas], modeled us per CTA (main pass)
     item_cost: np.ndarray  # float64 [n_items], modeled us per item (row-aligned with work)
     partial_offsets: np.ndarray  # int32 [n_items], first partial row of a split item, -1 if unsplit
-    combine: np.ndarray  # int32 [n_groups, 6]: b, h, tok0, ntok, num_splits, partial row base
+    combine: np.ndarray  # int32 [n_groups, COMBINE_COLS]: split groups (worklist.py)
     modeled_us: float  # max(cta_cost) + combine pass (if any split)
     # True: cols 4/5 index KV *units* (old pages, then fresh tiles) for the fused
     # writeback kernel (docs/contract.md, "Fused KV writeback"); False: cache pages.
@@ -342,9 +246,6 @@ class Plan:
     # MMA rows of a q tile: 64 (IonAttentionSm90 default) or 128 (consumers=2 variant);
     # packed tiles hold tile_m // Gp tokens, unpacked tiles tile_m tokens
     tile_m: int = 64
-    # True: a fresh_kv plan where some request's fresh tiles straddle two cache pages
-    # (``fresh_tiles_straddle``), i.e. its writeback copies rows past a page boundary
-    straddles: bool = False
 
     @property
     def n_items(self) -> int:
@@ -546,7 +447,7 @@ def plan(
     *,
     num_kv_heads: int,
     group_size: int,
-    page_size: int = 64,
+    page_size: int = PAGE_SIZE,
     num_ctas: int = 132,
     tile_m: int = 64,
     allow_split: bool = True,
@@ -555,8 +456,6 @@ def plan(
     max_partial_rows: int | None = None,
     fresh_kv: bool = False,
     unpacked_prefill: bool = False,
-    refine: bool = True,
-    split_unpacked: bool = True,
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
@@ -566,10 +465,6 @@ def plan(
     ``unpacked_prefill=True`` tiles long prefill rows of a padded GQA group (G < Gp) one
     q head x ``tile_m`` tokens per item (work col 8 >= 0, rule: ``unpacked_requests``);
     the plan must then run on the ``unpacked_prefill`` kernel variant.
-    ``refine=False`` keeps the water-filled assignment of ``_balance`` without the local
-    search of ``_refine`` (the planner before 2026-12-02; for A/B runs).
-    ``split_unpacked=False`` never splits unpacked items (the planner before 2026-12-03,
-    v18; for A/B runs).
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -658,7 +553,7 @@ def plan(
     # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
     # must beat the no-split makespan by split_min_gain: prune when that is impossible.
     s_cap = np.minimum(max_splits, n_pages)
-    if gp > 64 or not split_unpacked:  # unpacked workspace chunks hold 64 // Gp tokens
+    if gp > 64:  # unpacked workspace chunks hold 64 // Gp tokens
         s_cap = np.where(tile_unp, 1, s_cap)
     # partial workspace rows a tile's split group takes per split: ntok * Gp rows (packed
     # rows are t * Gp + g); the G unpacked tiles of one token range share one group, which
@@ -729,16 +624,15 @@ def plan(
 
     # ---- materialize ----------------------------------------------------------------------
     splits, cta, item_cost = best
-    if refine:
-        cta = _refine(item_cost, cta, num_ctas)
-        if best[0] is not ones:
-            # the split was chosen on unrefined makespans: keep it only if it still beats
-            # the refined no-split schedule (so splitting never models worse than not)
-            cta0r = _refine(cost0, cta0, num_ctas)
-            split_total = float(np.bincount(cta, weights=item_cost, minlength=num_ctas).max())
-            if float(np.bincount(cta0r, weights=cost0, minlength=num_ctas).max()) <= (
-                    split_total + best_comb):
-                splits, cta, item_cost = ones, cta0r, cost0
+    cta = _refine(item_cost, cta, num_ctas)
+    if best[0] is not ones:
+        # the split was chosen on unrefined makespans: keep it only if it still beats the
+        # refined no-split schedule (so splitting never models worse than not)
+        cta0r = _refine(cost0, cta0, num_ctas)
+        split_total = float(np.bincount(cta, weights=item_cost, minlength=num_ctas).max())
+        if float(np.bincount(cta0r, weights=cost0, minlength=num_ctas).max()) <= (
+                split_total + best_comb):
+            splits, cta, item_cost = ones, cta0r, cost0
     # Items are generated in (b, h, q tile, split) order; a stable sort by CTA keeps that
     # order inside each CTA (KV-head locality, deterministic).
     perm = np.argsort(cta.astype(np.uint16) if num_ctas <= 65536 else cta, kind="stable")
@@ -748,21 +642,21 @@ def plan(
     if split_any:
         tile, sidx, p0, p1 = _expand_splits(n_pages, splits)
         tile, sidx = tile[perm], sidx[perm]
-        work[:, 4] = p0[perm]
-        work[:, 5] = p1[perm]
-        work[:, 6] = sidx
-        work[:, 7] = splits[tile]
+        work[:, W.P0] = p0[perm]
+        work[:, W.P1] = p1[perm]
+        work[:, W.SPLIT] = sidx
+        work[:, W.NSPLIT] = splits[tile]
     else:
         tile = perm
-        work[:, 4] = 0
-        work[:, 5] = n_pages[tile]
-        work[:, 6] = 0
-        work[:, 7] = 1
-    work[:, 0] = req[tile]
-    work[:, 1] = head[tile]
-    work[:, 2] = tok0[tile]
-    work[:, 3] = ntok[tile]
-    work[:, W_QHEAD] = qhead[tile]
+        work[:, W.P0] = 0
+        work[:, W.P1] = n_pages[tile]
+        work[:, W.SPLIT] = 0
+        work[:, W.NSPLIT] = 1
+    work[:, W.REQ] = req[tile]
+    work[:, W.HEAD] = head[tile]
+    work[:, W.QSTART] = tok0[tile]
+    work[:, W.QLEN] = ntok[tile]
+    work[:, W.QHEAD] = qhead[tile]
 
     # workspace: one block per split packed tile, one per split (b, h, token range) of
     # unpacked tiles (led by its q head 0 tile, whose index is this tile's minus
@@ -792,13 +686,14 @@ def plan(
     kk = np.arange(gi.shape[0], dtype=np.int64) - np.repeat(np.cumsum(n_chunk) - n_chunk, n_chunk)
     t_g = g_idx[gi]
     chunked = qhead[t_g] >= 0
-    combine = np.stack(
-        [req[t_g], head[t_g],
-         tok0[t_g] + np.where(chunked, kk * c_tok, 0),
-         np.where(chunked, np.minimum(c_tok, ntok[t_g] - kk * c_tok), ntok[t_g]),
-         splits[t_g],
-         grp_base[gi] + np.where(chunked, kk * splits[t_g] * 64, 0)], axis=1
-    ).reshape(-1, COMBINE_COLS).astype(np.int32)
+    combine = np.empty((t_g.shape[0], COMBINE_COLS), dtype=np.int32)
+    combine[:, W.C_REQ] = req[t_g]
+    combine[:, W.C_HEAD] = head[t_g]
+    combine[:, W.C_TOK0] = tok0[t_g] + np.where(chunked, kk * c_tok, 0)
+    combine[:, W.C_NTOK] = np.where(chunked, np.minimum(c_tok, ntok[t_g] - kk * c_tok),
+                                    ntok[t_g])
+    combine[:, W.C_NSPLIT] = splits[t_g]
+    combine[:, W.C_BASE] = grp_base[gi] + np.where(chunked, kk * splits[t_g] * 64, 0)
 
     offsets = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(np.bincount(cta, minlength=num_ctas), out=offsets[1:])
@@ -818,7 +713,6 @@ def plan(
         fresh_kv=bool(fresh_kv),
         unpacked=bool(unpacked_prefill),
         tile_m=tile_m,
-        straddles=bool(fresh_kv) and fresh_tiles_straddle(qsl, sl, page_size),
     )
 
 
@@ -846,7 +740,7 @@ def _one_token_units(sl: np.ndarray, page_size: int, fresh_kv: bool) -> np.ndarr
     return (sl - 1) // page_size + 1  # causal bound of the token at position seq_len - 1
 
 
-def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = 64,
+def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = PAGE_SIZE,
                    fresh_kv: bool = False) -> bytes | None:
     """What ``plan`` reads of the batch, as bytes: two batches with equal keys get equal
     plans from ``plan`` called with the same options (``tile_m``, ``num_ctas``, cost model,
@@ -866,57 +760,6 @@ def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = 64,
     live = (q > 0) & (sl > 0)
     v = np.where(live, np.where(q > 1, sl, _one_token_units(sl, page_size, fresh_kv)), 0)
     return q.tobytes() + v.tobytes()
-
-
-def decode_units(query_start_loc, seq_lens, *, page_size: int = 64,
-                 fresh_kv: bool = False) -> tuple[bytes, np.ndarray] | None:
-    """For a decode-only batch (every request has 0 or 1 new tokens): the new-token counts
-    as bytes and the pages (``fresh_kv``: KV units) each request's tiles read (0 for rows
-    without work).  ``None`` for any other batch, or one ``plan`` would refuse.  The input
-    of ``repage``."""
-    qs = _checked_lengths(query_start_loc, seq_lens, page_size)
-    if qs is None:
-        return None
-    q, sl = qs
-    if q.size and int(q.max()) > 1:
-        return None
-    live = (q > 0) & (sl > 0)
-    return q.tobytes(), np.where(live, _one_token_units(sl, page_size, fresh_kv), 0)
-
-
-def repage(base: Plan, n_units: np.ndarray, *, group_size: int, page_size: int = 64,
-           cost_model: CostModel | None = None) -> Plan:
-    """``base``, a plan of a decode-only batch (one q tile per request and KV head), with
-    every item's page range recomputed for ``n_units[b]`` pages (KV units) of its request:
-    split ``s`` of ``S`` reads ``[s * n // S, (s + 1) * n // S)``, as ``plan`` materializes
-    splits.  The items, their CTAs and order, split counts, workspace rows and combine
-    groups stay ``base``'s, so a run of decode steps can keep one balanced plan while its
-    requests grow (``plan`` itself then runs only when the batch or the lengths move
-    further).  Item and CTA costs are recomputed with ``cost_model`` (``group_size`` and
-    ``page_size`` as ``base`` was planned with).  Refuses (raises) a plan with more than
-    one token in a tile, or a request with fewer units than its splits."""
-    cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
-    w = base.work.copy()
-    if w.shape[0] == 0:
-        return base
-    if int(w[:, 3].max()) > 1 or int(w[:, 2].max()) > 0:
-        raise ValueError("repage needs a plan of a decode-only batch (one token a tile)")
-    n = np.asarray(n_units, dtype=np.int64)[w[:, 0]]
-    sidx, S = w[:, 6].astype(np.int64), w[:, 7].astype(np.int64)
-    if bool(np.any(n < S)):
-        raise ValueError("repage: a request has fewer pages than its plan has splits")
-    w[:, 4] = (sidx * n // S).astype(np.int32)
-    w[:, 5] = ((sidx + 1) * n // S).astype(np.int32)
-    rows = np.where(w[:, W_QHEAD] >= 0, w[:, 3], w[:, 3] * next_pow2(group_size))
-    item_cost = np.asarray(cm.item_us(w[:, 5] - w[:, 4], rows, page_size, w[:, 7] > 1),
-                           dtype=np.float64)
-    num_ctas = base.num_ctas
-    cta = np.repeat(np.arange(num_ctas), np.diff(base.cta_offsets))
-    cta_cost = np.bincount(cta, weights=item_cost, minlength=num_ctas).astype(np.float64)
-    # the combine pass's share of the model depends on split counts and rows only: kept
-    comb_us = base.modeled_us - float(base.cta_cost.max(initial=0.0))
-    return replace(base, work=w, item_cost=item_cost, cta_cost=cta_cost,
-                   modeled_us=float(cta_cost.max(initial=0.0)) + comb_us)
 
 
 # --------------------------------------------------------------------------------------
@@ -949,15 +792,14 @@ def pack_plan(
 ) -> int:
     """Copy ``plan`` into preallocated int32 buffers in place; returns n_items.
 
-    * ``work_buf``: ``[cap, 9]`` (or flat ``[cap * 9]``), or ``[cap, 8]`` for the packed-only
-      kernels (the plan must then have no unpacked item); rows ``>= n_items`` are zeroed
+    * ``work_buf``: ``[cap, WORK_COLS]`` (or flat); rows ``>= n_items`` are zeroed
       (an all-zero row is an empty item: 0 tokens, pages [0, 0)).  If ``prev_n_items`` is
       given, only rows ``[n_items, prev_n_items)`` are cleared: the caller guarantees rows
       beyond ``prev_n_items`` are still zero from an earlier ``pack_plan``.
     * ``offsets_buf``: ``[>= num_ctas + 1]``; entries past ``num_ctas`` get ``n_items``
       (extra CTAs see empty ranges).
     * ``partial_offsets_buf`` (optional): ``[cap]``; padding ``-1``.
-    * ``combine_buf`` (optional): ``[cap_groups, 6]``; padding rows zero (0 splits).  With
+    * ``combine_buf`` (optional): ``[cap_groups, COMBINE_COLS]``; padding rows zero (0 splits).  With
       ``prev_n_items``, rows up to ``max(prev_n_groups, prev_n_items)`` are cleared: give
       ``prev_n_groups`` when an earlier plan may have had more split groups than items
       (an unpacked split token range makes a group per 64 // Gp tokens).
@@ -965,14 +807,9 @@ def pack_plan(
     """
     n = plan.n_items
     w = _as_writable_int32(work_buf, "work_buf")
-    cols = WORK_COLS if w.ndim == 1 else (w.shape[1] if w.ndim == 2 else -1)
     w2 = w.reshape(-1, WORK_COLS) if w.ndim == 1 else w
-    if w2.ndim != 2 or cols not in (PACKED_WORK_COLS, WORK_COLS):
-        raise ValueError(f"work_buf must be [cap, {PACKED_WORK_COLS}] or [cap, {WORK_COLS}], "
-                         f"got {w.shape}")
-    if cols == PACKED_WORK_COLS and n and (plan.work[:, W_QHEAD] >= 0).any():
-        raise ValueError(f"plan has unpacked items (work col {W_QHEAD} >= 0): it needs a "
-                         f"[cap, {WORK_COLS}] work buffer")
+    if w2.ndim != 2 or w2.shape[1] != WORK_COLS:
+        raise ValueError(f"work_buf must be [cap, {WORK_COLS}], got {w.shape}")
     cap = w2.shape[0]
     if n > cap:
         raise ValueError(f"plan has {n} items but work_buf holds {cap}")
@@ -981,7 +818,7 @@ def pack_plan(
         raise ValueError(f"offsets_buf must be 1-D with >= {plan.num_ctas + 1} entries")
     end = cap if prev_n_items is None else min(cap, max(int(prev_n_items), n))
 
-    w2[:n] = plan.work[:, :cols]
+    w2[:n] = plan.work
     w2[n:end] = 0
     o[: plan.num_ctas + 1] = plan.cta_offsets
     o[plan.num_ctas + 1 :] = n
@@ -996,7 +833,7 @@ def pack_plan(
         c2 = c.reshape(-1, COMBINE_COLS) if c.ndim == 1 else c
         g = plan.combine.shape[0]
         if c2.ndim != 2 or c2.shape[1] != COMBINE_COLS or c2.shape[0] < g:
-            raise ValueError("combine_buf must be [>= n_groups, 6]")
+            raise ValueError(f"combine_buf must be [>= n_groups, {COMBINE_COLS}]")
         c2[:g] = plan.combine
         # rows past the earlier plan's groups are still zero
         gend = c2.shape[0]
@@ -1012,7 +849,7 @@ def worst_case_items(
     max_model_len: int,
     num_kv_heads: int,
     group_size: int,
-    page_size: int = 64,
+    page_size: int = PAGE_SIZE,
     tile_m: int = 64,
     max_splits: int = 16,
     fresh_kv: bool = False,
@@ -1052,7 +889,7 @@ def worst_case_items(
 
 
 def worst_case_groups(max_num_reqs: int, max_num_tokens: int, max_model_len: int,
-                      num_kv_heads: int, group_size: int, page_size: int = 64) -> int:
+                      num_kv_heads: int, group_size: int, page_size: int = PAGE_SIZE) -> int:
     """Upper bound on ``plan(...).combine.shape[0]`` (split groups) over the same batches
     as ``worst_case_items``, for every ``tile_m``, split count and option.  A packed split
     tile is one group and holds at least the tokens of a 64-row tile (``64 // Gp``) unless
@@ -1062,73 +899,3 @@ def worst_case_groups(max_num_reqs: int, max_num_tokens: int, max_model_len: int
     max_splits=1)``."""
     return worst_case_items(max_num_reqs, max_num_tokens, max_model_len, num_kv_heads,
                             group_size, page_size=page_size, tile_m=64, max_splits=1)
-
-
-# --------------------------------------------------------------------------- tile size per step
-#: Rows with at least this many new tokens count as prefill work in ``choose_tile_m``; shorter
-#: rows (decode, speculative verification) as memory-bound work.  Uniform speculative-decode
-#: batches (q_len = 1 + num_spec, well below this) therefore always get 64-row tiles, which
-#: is what keeps the choice stable across CUDA-graph capture and replay (docs/contract.md).
-PREFILL_ROW_TOKENS = 64
-#: H200 rates the choice is made with (measured by ``ion-bench kernel``, 2026-11-29): copy
-#: bandwidth 4,225 GB/s and ~600 TFLOP/s of causal attention.  Only their ratio matters.
-_DECODE_BYTES_PER_S = 4.2e12
-_PREFILL_FLOP_PER_S = 6.0e14
-#: 128-row tiles (192 with ``allow_192``) when the decode rows' streaming time is at most
-#: this fraction of the prefill rows' MMA time.  It was 0.07 from the 2026-11-29 anchors
-#: (prefill 8192: 128 rows 814 us against 880 for 64; 32x8k decode + a 2048 chunk, fraction
-#: 2.55: 199 us against 149), which sent the steady-state steps of the e2e workloads to 64
-#: rows.  Measured on the H200 on 2026-12-03 (fused layer, suite "steps"): 31 decodes at 8k
-#: beside an 8161-token chunk (fraction 0.156) 1117 us at 64 rows, 1040 at 128, 1004.5 at
-#: 192, FA3 1008.5; 63 decodes at 4.6k beside 8129 (0.179) 1164 / 1064 / 1032, FA3 1027.5;
-#: 16 decodes (0.080) 1062 / 965 / 913, FA3 937.  0.25 admits those measured wins with a
-#: margin and stays a factor 10 below the measured loss at 2.55.
-M128_MAX_DECODE_FRACTION = 0.25
-
-
-#: ``choose_tile_m(allow_192=True)``: a step that would run 128-row tiles runs 192-row ones
-#: (three consumer warpgroups, ``IonAttentionSm90(consumers=3)``) when its prefill rows make
-#: at least this many 192-row tiles (one q head each) per CTA of the persistent grid.  Fewer,
-#: larger items balance worse.  H200, fused layer, 28/4 heads, 132 CTAs (bench/notes.md v17,
-#: v18): 8192 fresh tokens (9.1 tiles a CTA) 879 -> 825 us and 4096 over 4096 cached (4.7)
-#: 654 -> 629 us on 2026-12-02; 2048 over 6144 cached (2.3) lost while unpacked items could
-#: not split (408 -> 413 us) and wins since they can (v18, 2026-12-03: 419.7 us at 128 rows,
-#: 384.7 at 192, FA3 396.1).  2.25 admits that lowest measured win and nothing smaller.
-M192_MIN_TILES_PER_CTA = 2.25
-
-
-def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: int,
-                  head_dim: int, elem_bytes: int = 2, allow_192: bool = False,
-                  num_ctas: int = 132) -> int:
-    """128 or 64: the q-tile rows for one step (pure; from the host copies the planner uses).
-    With ``allow_192``, 192 instead of 128 when the prefill rows make at least
-    ``M192_MIN_TILES_PER_CTA * num_ctas`` tiles of one q head x 192 tokens.
-
-    Decode-like rows (< PREFILL_ROW_TOKENS new tokens) stream their K/V: ``seq_len *
-    num_kv_heads * head_dim * 2 * elem_bytes`` bytes.  Prefill rows cost ``4 * num_q_heads
-    * head_dim`` FLOPs per (query, visible key) pair, causal within the chunk.  128-row
-    tiles pay only when there is prefill work and the decode streaming time is at most
-    ``M128_MAX_DECODE_FRACTION`` of the prefill time.
-    """
-    qsl = _as_int_vector(query_start_loc, "query_start_loc").astype(np.int64)
-    sl = _as_int_vector(seq_lens, "seq_lens").astype(np.int64)
-    if qsl.size < 1 or sl.size != qsl.size - 1:
-        raise ValueError("query_start_loc must have len(seq_lens) + 1 entries")
-    q = np.diff(qsl)
-    pre = q >= PREFILL_ROW_TOKENS
-    if not pre.any():
-        return 64
-    ctx = (sl - q)[pre]
-    qp = q[pre]
-    # visible keys summed over a chunk's queries: q * ctx + q * (q + 1) / 2
-    pairs = float(np.sum(qp * ctx + qp * (qp + 1) // 2))
-    t_pre = 4.0 * num_q_heads * head_dim * pairs / _PREFILL_FLOP_PER_S
-    dec = (~pre) & (q > 0)
-    t_dec = float(np.sum(sl[dec])) * num_kv_heads * head_dim * 2 * elem_bytes / _DECODE_BYTES_PER_S
-    if t_dec > M128_MAX_DECODE_FRACTION * t_pre:
-        return 64
-    if allow_192:
-        tiles = float(np.sum((qp + 191) // 192)) * num_q_heads
-        if tiles >= M192_MIN_TILES_PER_CTA * num_ctas:
-            return 192
-    return 128
