@@ -132,8 +132,8 @@ class DevicePlan:
 
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
                      group_size: int, head_dim: int, device, fresh_kv: bool = False,
-                     tile_m="auto", num_ctas=None, allow_split: bool = True,
-                     max_splits: int = 16, cost_model=None) -> DevicePlan:
+                     tile_m="auto", num_ctas=None, max_splits: int = 16, cost_model=None,
+                     batch_invariant: bool = False) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one ``DevicePlan`` per tile size and uploads every step).
 
@@ -141,6 +141,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
     key=, value=)``).  ``tile_m``: ``"auto"`` picks 64, 128 or 192 rows for the batch as the
     vLLM backend does (``cost_model.choose_tile_m``), or force one of them.  ``cost_model``
     (``planner.CostModel``): e.g. one that makes splitting cheap, so tests force split-KV.
+    ``batch_invariant``: what the backend plans under ``VLLM_BATCH_INVARIANT=1``: no
+    split-KV, packed 64-row tiles, so a token's output does not depend on its batch.
     """
     import numpy as np
 
@@ -149,6 +151,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
 
     qsl = np.asarray(query_start_loc_cpu, dtype=np.int32)
     sl = np.asarray(seq_lens_cpu, dtype=np.int32)
+    if batch_invariant:
+        tile_m = 64
     if tile_m == "auto":
         tile_m = choose_tile_m(qsl, sl, num_q_heads=num_kv_heads * group_size,
                                num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -156,8 +160,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
     if num_ctas is None:
         num_ctas = grid_ctas(device, tile_m)
     p = plan(qsl, sl, num_kv_heads=num_kv_heads, group_size=group_size, num_ctas=num_ctas,
-             tile_m=tile_m, allow_split=allow_split, max_splits=max_splits,
-             cost_model=cost_model, fresh_kv=fresh_kv, unpacked_prefill=True)
+             tile_m=tile_m, allow_split=not batch_invariant, max_splits=max_splits,
+             cost_model=cost_model, fresh_kv=fresh_kv, unpacked_prefill=not batch_invariant)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, tile_m=tile_m)

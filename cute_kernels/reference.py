@@ -68,13 +68,19 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
                               query_start_loc: torch.Tensor,
                               seq_lens: torch.Tensor,
                               block_table: torch.Tensor,
-                              softmax_scale: float) -> torch.Tensor:
-    """Causal varlen paged GQA attention in fp32.
+                              softmax_scale: float,
+                              compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal varlen paged GQA attention, computed in fp32.
 
     Returns an fp32 tensor ``[total_q, Hq, D]`` on ``q.device``.  Rows that no
     request writes (padding rows after ``query_start_loc[-1]`` and rows of
     requests with ``seq_lens == 0``) are zero; use :func:`written_rows_mask`
     to select the rows a kernel must write.
+
+    ``compute_dtype=q.dtype`` (bf16 / fp16) computes the same function the way plain
+    PyTorch does in that dtype: both products in it, the softmax in fp32 rounded back
+    to it (FlashAttention's ``attention_ref(upcast=False)``).  Its error against the
+    fp32 result is the yardstick a kernel's error is judged by.
     """
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
     total_q, hq, d = q.shape
@@ -106,12 +112,12 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
         # Gather logical pages -> contiguous [Hkv, L, D] (fp32).
         k = k_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
             hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
-                                                    dtype=torch.float32)
+                                                    dtype=compute_dtype)
         v = v_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
             hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
-                                                    dtype=torch.float32)
+                                                    dtype=compute_dtype)
         # q rows of this request grouped per KV head: [Hkv, G, q_len, D].
-        qb = q[start:end].to(torch.float32).reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
+        qb = q[start:end].to(compute_dtype).reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
         first_pos = seq_len - q_len
         kv_pos = torch.arange(seq_len, device=q.device)
         chunk = max(1, _MAX_SCORE_ELEMS // max(1, hq * seq_len))
@@ -122,9 +128,9 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
             s = torch.einsum("hgid,hld->hgil", qb[:, :, c0:c1], k) * float(softmax_scale)
             masked = kv_pos[None, :] > q_pos[:, None]  # [c, L]
             s = s.masked_fill(masked, float("-inf"))
-            p = torch.softmax(s, dim=-1)
+            p = torch.softmax(s.float(), dim=-1).to(compute_dtype)
             o = torch.einsum("hgil,hld->hgid", p, v)  # [Hkv, G, c, D]
-            out[start + c0:start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, hq, d)
+            out[start + c0:start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, hq, d).float()
     return out
 
 

@@ -1,11 +1,48 @@
-"""Test-wide setup: `gpu` tests run only where an sm_90 (Hopper) GPU is present."""
+"""Test-wide setup.
+
+* ``gpu`` tests run only where an sm_90 (Hopper) GPU is present.
+* Scratch files stay inside the checkout (``.pytest_tmp/``, removed at the end): the suite
+  leaves nothing in ``/tmp``.  CuTeDSL's file cache is off, so compile tests compile.
+* ``seed``: a fresh seed per session, printed in the report header and used by every
+  randomized test; ``PYTEST_SEED=<n>`` replays a session.
+"""
 
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SCRATCH = os.path.join(ROOT, ".pytest_tmp")
+os.makedirs(SCRATCH, exist_ok=True)
+os.environ["TMPDIR"] = SCRATCH
+tempfile.tempdir = SCRATCH
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.path.join(SCRATCH, "cute"))
+
+SESSION_SEED = int(os.environ.get("PYTEST_SEED") or time.time_ns() % (1 << 31))
+
+
+def pytest_report_header(config):
+    return f"seed: {SESSION_SEED} (replay with PYTEST_SEED={SESSION_SEED})"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The session seed mixed with the test's id: fresh every session, replayable, and
+    different for each parametrized case."""
+    import zlib
+
+    return (SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (1 << 31)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 def _hopper_available() -> bool:

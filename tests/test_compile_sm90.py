@@ -1,171 +1,145 @@
-"""CPU-only sm_90a compile checks (no GPU needed).
+"""CPU-only sm_90a compile checks of every kernel the backend can launch (no GPU needed).
 
-* ``test_harness_compiles_tiny_tma_kernel``: the harness in
-  ``cute_kernels.compile_utils`` lowers a tiny TMA load/store kernel to PTX for
-  sm_90a and the PTX contains the TMA instructions.
-* ``test_variant_compiles_for_sm90a``: one case per entry of
-  ``cute_kernels.variants.VARIANTS`` (or ``ALL_VARIANTS``); skipped while that
-  module does not exist.  A variant is either the ``Variant`` NamedTuple
-  (compiled through ``cute_kernels.attention.make_kernel`` / ``fake_args``) and the
-  split-KV combine kernel.  The attention PTX must contain ``wgmma.mma_async``,
-  ``cp.async.bulk.tensor``, mbarrier waits and ``setmaxnreg``, and no local-memory spills.
+Each ``KernelOptions`` (``options.all_kernel_options()``) is compiled from fake tensors for
+sm_90a, and its PTX and SASS must show the kernel's invariants: warpgroup MMAs, TMA loads
+(and, with fused writeback, TMA stores), mbarrier pipelines with the documented arrival
+counts, the producer/consumer register split of ``KernelOptions.registers``, the launch
+bounds, and no local-memory spills.  The split-KV combine kernel of every
+``KernelOptions.combine_key`` compiles too.  The compiles run in a process pool, one
+compile per kernel, and the tests read the results.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
 import pytest
 
 cutlass = pytest.importorskip("cutlass")
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils as cutlass_utils  # noqa: E402
-from cutlass.cute.nvgpu import cpasync  # noqa: E402
 
-from cute_kernels.compile_utils import (  # noqa: E402
-    CompiledArtifact,
-    compile_sm90a,
-    fake_stream,
-    fake_tensor,
-    sym,
-)
+from cute_kernels.options import all_kernel_options  # noqa: E402
 
-# --------------------------------------------------------------------------
-# Tiny TMA kernel: one CTA copies a TILE_M x TILE_N fp16 tile
-# global -> smem (TMA load, mbarrier completion) -> global (TMA store).
-# --------------------------------------------------------------------------
-TILE_M, TILE_N = 64, 64
+OPTIONS = all_kernel_options()
+COMBINE_KEYS = sorted({o.combine_key for o in OPTIONS})
 
 
-@cute.kernel
-def _tma_tile_copy_kernel(
-    tma_load: cute.CopyAtom,
-    g_src: cute.Tensor,
-    tma_store: cute.CopyAtom,
-    g_dst: cute.Tensor,
-    s_layout: cute.Layout,
-):
-    bx, by, _ = cute.arch.block_idx()
-    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    smem = cutlass_utils.SmemAllocator()
-    mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-    s_tile = smem.allocate_tensor(cutlass.Float16, s_layout, byte_alignment=128)
-    if warp == 0:
-        cpasync.prefetch_descriptor(tma_load)
-        cpasync.prefetch_descriptor(tma_store)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(mbar, 1)
-    cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
-
-    g_in = cute.local_tile(g_src, (TILE_M, TILE_N), (bx, by))
-    g_out = cute.local_tile(g_dst, (TILE_M, TILE_N), (bx, by))
-    ld_s, ld_g = cpasync.tma_partition(
-        tma_load, 0, cute.make_layout(1),
-        cute.group_modes(s_tile, 0, 2), cute.group_modes(g_in, 0, 2),
-    )
-    st_s, st_g = cpasync.tma_partition(
-        tma_store, 0, cute.make_layout(1),
-        cute.group_modes(s_tile, 0, 2), cute.group_modes(g_out, 0, 2),
-    )
-    if warp == 0:
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar, TILE_M * TILE_N * 2)
-        cute.copy(tma_load, ld_g, ld_s, tma_bar_ptr=mbar)
-    cute.arch.mbarrier_wait(mbar, 0)
-    cute.arch.sync_threads()
-    if warp == 0:
-        cute.copy(tma_store, st_s, st_g)
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+def _id(o) -> str:
+    return f"{o.dtype}-d{o.head_dim}-gp{o.group_pad}-m{o.tile_m}" + ("-fused" if o.fresh_kv else "")
 
 
-@cute.jit
-def _tma_tile_copy(src: cute.Tensor, dst: cute.Tensor, stream):
-    s_layout = cute.make_layout((TILE_M, TILE_N), stride=(TILE_N, 1))
-    ld_atom, ld_tensor = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), src, s_layout, (TILE_M, TILE_N)
-    )
-    st_atom, st_tensor = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileS2GOp(), dst, s_layout, (TILE_M, TILE_N)
-    )
-    grid = (cute.ceil_div(src.shape[0], TILE_M), cute.ceil_div(src.shape[1], TILE_N), 1)
-    _tma_tile_copy_kernel(ld_atom, ld_tensor, st_atom, st_tensor, s_layout).launch(
-        grid=grid, block=[128, 1, 1], stream=stream
-    )
+def _nvdisasm():
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia.cu13
+    except ImportError:
+        return None
+    path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "nvdisasm")
+    return path if os.path.exists(path) else None
 
 
-def test_harness_compiles_tiny_tma_kernel():
-    n_cols = sym(32, divisibility=8)  # rows must stay 16-byte aligned for TMA
-    src = fake_tensor(cutlass.Float16, (None, n_cols))
-    dst = fake_tensor(cutlass.Float16, (None, n_cols))
-    art = compile_sm90a(_tma_tile_copy, src, dst, fake_stream())
-
-    assert isinstance(art, CompiledArtifact)
-    assert art.arch == "sm_90a"
-    assert "\n.target sm_90a" in art.ptx
-    assert len(art.kernel_names()) == 1
-    ops = art.instructions("cp.async.bulk.tensor")
-    # one TMA load (global -> shared, mbarrier completion) and one TMA store
-    assert any(".shared::cluster.global" in o or ".shared::cta.global" in o for o in ops), ops
-    assert any(".global.shared::cta" in o for o in ops), ops
-    assert art.has("mbarrier")
-    assert not art.has("wgmma.mma_async")  # no MMA in this kernel
+def _sass(cubin: bytes) -> str | None:
+    tool = _nvdisasm()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
-def test_harness_rejects_non_jit_function():
-    def plain(x):
-        return x
+def _compile_one(kind: str, key) -> tuple[str, str | None]:
+    """(PTX, SASS) of one kernel; runs in a worker process."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from cute_kernels import attention
+    from cute_kernels.compile_utils import compile_sm90a
+    from cute_kernels.options import KernelOptions
 
-    with pytest.raises(Exception):
-        compile_sm90a(plain, fake_tensor(cutlass.Float16, (8, 8)))
-
-
-def test_fake_tensor_layouts():
-    t = fake_tensor(cutlass.BFloat16, (4, 8, 64))
-    assert tuple(t.shape) == (4, 8, 64)
-    assert tuple(t.stride) == (512, 64, 1)
-    import torch
-
-    u = fake_tensor(torch.float16, (None, 8, 128), stride=(None, 128, 1))
-    assert u.element_type is cutlass.Float16
-    assert tuple(u.stride)[1:] == (128, 1)
+    options = key if kind == "attention" else KernelOptions(*key)
+    make = (attention.kernel_and_fake_args if kind == "attention"
+            else attention.combine_kernel_and_fake_args)
+    fn, args = make(options)
+    art = compile_sm90a(fn, *args, compile_options="--enable-tvm-ffi", keep_cubin=True)
+    return art.ptx, _sass(art.cubin)
 
 
-# --------------------------------------------------------------------------
-# Attention-kernel variants (cute_kernels.variants: VARIANTS, else ALL_VARIANTS)
-# --------------------------------------------------------------------------
-from cute_kernels import attention  # noqa: E402
-from cute_kernels.variants import ALL_VARIANTS, SUPPORTED_GROUP_PADS  # noqa: E402
-
-# Every kernel variant the backend can select: (dtype, head_dim, GQA pad, page).
-ATTENTION_EXPECTED_PTX = (
-    "wgmma.mma_async",       # QK^T and PV on the tensor cores (warpgroup MMA)
-    "cp.async.bulk.tensor",  # Q/K/V tiles by TMA
-    "mbarrier.try_wait",     # multi-stage smem pipeline on mbarriers
-    "setmaxnreg",            # producer / consumer warpgroup register split
-)
+@pytest.fixture(scope="module")
+def compiled():
+    """Every attention and combine kernel, compiled once for this module."""
+    jobs = [("attention", o) for o in OPTIONS] + [("combine", k) for k in COMBINE_KEYS]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        futures = {job: pool.submit(_compile_one, *job) for job in jobs}
+        return {job: f.result() for job, f in futures.items()}
 
 
-def _variant_id(v) -> str:
-    return "-".join(str(x) for x in v)
+def _barrier_init_counts(ptx: str) -> list[int]:
+    """Arrival counts of every mbarrier.init (the count is a register set by a mov)."""
+    movs = dict(re.findall(r"mov\.(?:b|u|s)32\s+(%r\d+),\s*(\d+);", ptx))
+    counts = []
+    for arg in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*([^;]+);",
+                          ptx):
+        arg = arg.strip()
+        counts.append(int(arg) if arg.isdigit() else int(movs[arg]))
+    return sorted(counts)
 
 
-@pytest.mark.parametrize("variant", ALL_VARIANTS, ids=[_variant_id(v) for v in ALL_VARIANTS])
-def test_attention_variant_compiles_for_sm90a(variant):
-    art = compile_sm90a(attention.make_kernel(variant), *attention.fake_args(variant),
-                        compile_options="--enable-tvm-ffi")
-    for needle in ATTENTION_EXPECTED_PTX:
-        assert art.has(needle), f"{_variant_id(variant)}: {needle!r} missing from the sm_90a PTX"
-    # K and V tiles both arrive by TMA (one 2-D/4-D box each per 64-element chunk of D)
-    assert art.count(r"cp\.async\.bulk\.tensor") >= 3
-    assert not art.has("st.local"), "register spill to local memory"
-    # the trigger for a combine launched with PDL (ION_PDL_COMBINE): once, at the start
-    assert art.count(r"griddepcontrol\.launch_dependents;") == 1
-    assert art.ptx.find("griddepcontrol.launch_dependents") < art.ptx.find("wgmma.mma_async")
+def _check_no_spills(ptx: str, sass: str | None) -> None:
+    assert "st.local" not in ptx and "ld.local" not in ptx, "local memory in the PTX"
+    if sass is not None:
+        assert not re.search(r"\b(STL|LDL)\b", sass), "ptxas spilled registers"
 
 
-# the combine kernel depends on (dtype, head_dim) only in its data path
-@pytest.mark.parametrize("variant", ALL_VARIANTS[:: len(SUPPORTED_GROUP_PADS)], ids=_variant_id)
-def test_combine_variant_compiles_for_sm90a(variant):
-    art = compile_sm90a(attention.make_combine_kernel(variant),
-                        *attention.combine_fake_args(variant), compile_options="--enable-tvm-ffi")
-    assert art.has("ex2.approx"), "the split merge uses exp2 of log2-sum-exp differences"
+@pytest.mark.parametrize("options", OPTIONS, ids=_id)
+def test_attention_kernel_compiles_for_sm90a(compiled, options):
+    ptx, sass = compiled[("attention", options)]
+    assert "\n.target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx, "QK^T and PV run on warpgroup MMAs"
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::c\w+\.global", ptx)
+    # per consumer warpgroup a packed and an unpacked Q box, then K and V, one load site
+    # per 64 columns of D each; with fused writeback also the fresh K and V tiles
+    per_64 = 2 * options.consumers + 2 + (2 if options.fresh_kv else 0)
+    assert len(loads) == per_64 * options.head_dim // 64
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta", ptx)
+    assert bool(stores) == options.fresh_kv, "fused writeback TMA-stores K/V, others store none"
+    producer, consumer = options.registers
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{producer};" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{consumer};" in ptx
+    assert f".reqntid {options.threads}, 1, 1" in ptx
+    assert f".minnctapersm {options.ctas_per_sm}" in ptx
+    # full barriers count the one TMA thread, empty barriers one arrival a consumer warp
+    n = options.q_stages + 2 * options.kv_stages
+    assert _barrier_init_counts(ptx) == [1] * n + [4 * options.consumers] * n
+    assert "griddepcontrol" not in ptx
+    _check_no_spills(ptx, sass)
+    if sass is not None:
+        assert "HGMMA" in sass and "UTMALDG" in sass
+        if options.fresh_kv:
+            assert "UTMASTG" in sass
+            # the straddle copy moves 16 bytes a lane: 128-bit shared loads, global stores
+            assert re.search(r"\bLDS\.128\b", sass) and re.search(r"\bSTG\.E\.128\b", sass)
+
+
+@pytest.mark.parametrize("key", COMBINE_KEYS, ids=lambda k: "-".join(map(str, k)))
+def test_combine_kernel_compiles_for_sm90a(compiled, key):
+    ptx, sass = compiled[("combine", key)]
+    assert "ex2.approx" in ptx, "the merge weights are exp2 of log2-sum-exp differences"
+    assert "shfl.sync" in ptx, "split weights travel by warp shuffle"
+    _check_no_spills(ptx, sass)
+
+
+def test_every_backend_kernel_is_compiled_here():
+    """The options the vLLM builder precompiles are a subset of what this file compiles."""
+    from cute_kernels.options import KernelOptions
+
+    for fresh in (False, True):
+        for tm in (64, 128, 192):
+            o = KernelOptions.for_layer("bfloat16", 128, 28, 4, tm, fresh)
+            assert o in OPTIONS

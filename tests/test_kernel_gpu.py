@@ -1,0 +1,244 @@
+"""IonAttention on a Hopper GPU: every kernel option against the reference, batch shape by
+batch shape.
+
+A case passes on per-element error, as FlashAttention's tests judge theirs: the kernel's
+largest absolute error against the fp32 reference is at most twice that of the same
+attention computed by plain PyTorch in the input dtype, plus a small ``ATOL``.  Outputs are
+NaN-poisoned before each launch: every row a request owns must be written and finite, every
+other row (padding, requests without work) must stay NaN.  Fused writeback must leave the
+cache equal to the reference append at every position a request holds, and every page no
+request uses untouched.  Inputs are ``randn`` from the session seed (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cute_kernels.cost_model import CostModel
+from cute_kernels.reference import (
+    default_softmax_scale,
+    make_paged_case,
+    new_token_slot_mapping,
+    reference_kv_append,
+    reference_paged_attention,
+    written_rows_mask,
+)
+
+pytestmark = pytest.mark.gpu
+
+ATOL = 1e-4
+#: splitting costs nothing in this model, so small batches split too
+CHEAP_SPLITS = CostModel(item_overhead_us=0.01, split_item_overhead_us=0.0,
+                         combine_launch_us=0.0)
+
+#: (Hq, Hkv): GQA ratios 1, 2, 3 (padded to 4), 7 (padded to 8) and 8
+HEADS = [(4, 4), (8, 4), (6, 2), (28, 4), (32, 4)]
+
+
+def _shape(name: str, rng: torch.Generator):
+    """(q_lens, seq_lens, pad_rows, cost_model) of a named batch shape, lengths drawn from
+    ``rng`` around the boundaries that matter (page multiples, tile sizes)."""
+    def r(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=rng))
+
+    if name == "decode":
+        kv = [64, 65, 63, 1, r(1, 4000), r(1, 4000), 128 * r(1, 20), r(1, 9000)]
+        return [1] * len(kv), kv, 3, None
+    if name == "mixed":  # decodes beside a chunk over a context that is not a page multiple
+        q = [1, 1, r(65, 700), 1, r(2, 63)]
+        kv = [r(1, 3000), 2048, q[2] + r(1, 900), 64, q[4] + r(0, 100)]
+        return q, kv, 0, None
+    if name == "prefill":  # fresh prompts: one long, one at a tile boundary
+        q = [r(900, 1500), 192, 64, 1]
+        return q, [q[0], 192, 64 + r(0, 64), r(1, 200)], 0, None
+    if name == "chunks":  # continued prompts whose fresh tiles straddle cache pages
+        q = [r(100, 400), r(300, 600), 129]
+        return q, [q[0] + r(1, 63), q[1] + 64 * r(1, 8) + r(1, 63), 129 + 1000], 0, None
+    if name == "empty-rows":  # requests with no new tokens or no KV, padding rows
+        return [0, 3, 0, 1, 70], [50, 3 + r(0, 300), 0, r(1, 500), 70 + r(0, 10)], 5, None
+    if name == "split":  # long rows split across CTAs, merged by the combine pass
+        return [1, 1, r(65, 200), 1], [r(4000, 8000), 8191, 6000, r(1, 70)], 0, CHEAP_SPLITS
+    raise KeyError(name)
+
+
+SHAPES = ["decode", "mixed", "prefill", "chunks", "empty-rows", "split"]
+CASES = list(itertools.product(
+    [torch.bfloat16, torch.float16], [64, 128], HEADS, [64, 128, 192], [False, True]))
+
+
+def _case_id(c):
+    dt, d, (hq, hkv), tm, fused = c
+    return f"{str(dt)[6:]}-d{d}-{hq}x{hkv}-m{tm}" + ("-fused" if fused else "")
+
+
+def _run(dtype, d, hq, hkv, tile_m, fused, shape, seed, batch_invariant=False):
+    """Inputs of one case, the kernel's output and cache, and the fp32 reference."""
+    from cute_kernels import ion_attention, make_device_plan
+
+    rng = torch.Generator().manual_seed(seed)
+    q_lens, seq_lens, pad, cost = _shape(shape, rng)
+    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, dtype=dtype, device="cuda",
+                           pad_rows=pad)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    total = q.shape[0]
+    key = torch.randn(total, hkv, d, generator=rng).to(dtype).cuda()
+    value = torch.randn(total, hkv, d, generator=rng).to(dtype).cuda()
+    slots = new_token_slot_mapping(qsl, sl, bt, 64, total)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, k_ref, v_ref, slots)
+    if not fused:  # the cache already holds this step's K/V
+        k_cache.copy_(k_ref)
+        v_cache.copy_(v_ref)
+    plan = make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=hkv, group_size=hq // hkv,
+                            head_dim=d, device="cuda", fresh_kv=fused, tile_m=tile_m,
+                            cost_model=cost, batch_invariant=batch_invariant)
+    out = torch.full_like(q, float("nan"))
+    scale = default_softmax_scale(d)
+    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan,
+                  key=key if fused else None, value=value if fused else None)
+    torch.cuda.synchronize()
+    return case, out, (k_cache, v_cache), (k_ref, v_ref), plan, scale
+
+
+def _check_case(case, out, caches, ref_caches, plan, scale, what):
+    q, _, _, qsl, sl, bt = case
+    written = written_rows_mask(qsl, sl, q.shape[0]).cuda()
+    assert not torch.isnan(out[written]).any(), f"{what}: a row the kernel owns is unwritten"
+    assert torch.isnan(out[~written]).all(), f"{what}: a row no request owns was written"
+    k_ref, v_ref = ref_caches
+    ref = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale)
+    pt = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale, compute_dtype=q.dtype)
+    err = (out[written].float() - ref[written]).abs().max().item()
+    bar = 2 * (pt[written] - ref[written]).abs().max().item() + ATOL
+    assert err <= bar, f"{what}: max abs error {err:.3g} > {bar:.3g} (2x PyTorch + atol)"
+    _check_cache(caches, ref_caches, sl, bt, what)
+    return plan
+
+
+def _check_cache(caches, ref_caches, sl, bt, what):
+    """Every position a request holds equals the reference; unused pages are untouched."""
+    for name, c, r in zip("KV", caches, ref_caches):
+        used = torch.zeros(c.shape[0], dtype=torch.bool)
+        for b, L in enumerate(sl.tolist()):
+            n = -(-L // 64)
+            pages = bt[b, :n].long().cpu()
+            used[pages] = True
+            got = c[pages.cuda()].transpose(0, 1).reshape(c.shape[1], -1, c.shape[3])[:, :L]
+            want = r[pages.cuda()].transpose(0, 1).reshape(c.shape[1], -1, c.shape[3])[:, :L]
+            assert torch.equal(got, want), f"{what}: {name} cache of request {b} differs"
+        assert torch.equal(c[~used.cuda()], r[~used.cuda()]), \
+            f"{what}: {name} pages no request uses were written"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config", CASES, ids=_case_id)
+def test_kernel_matches_reference(config, shape, seed):
+    dtype, d, (hq, hkv), tile_m, fused = config
+    what = f"{_case_id(config)} {shape} seed={seed}"
+    result = _run(dtype, d, hq, hkv, tile_m, fused, shape, seed)
+    plan = _check_case(*result, what)
+    if shape == "split":
+        assert plan.host.num_splits_max > 1, f"{what}: the split case did not split"
+
+
+def test_token_output_is_batch_invariant(seed):
+    """Planned as under VLLM_BATCH_INVARIANT=1 (kv_append, then attention without split-KV
+    on packed 64-row tiles), one request's rows are bit-identical whether it runs alone, in
+    a batch, or after other requests (the KV tier's preemption check compares token for
+    token and relies on it)."""
+    from cute_kernels import ion_attention, make_device_plan
+
+    hq, hkv, d = 28, 4, 128
+    rng = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(700, 9000, (5,), generator=rng)] + [8191]
+    q_lens = [1, 1, 150, 1, 64, 1]
+    case = make_paged_case(seed, q_lens, lens, hq, hkv, d, device="cuda")
+    q, k_cache, v_cache, qsl, sl, bt = case
+    scale = default_softmax_scale(d)
+
+    def attend(rows):
+        """Output rows of the requests ``rows``, batched together in that order."""
+        sub_q = torch.cat([q[int(qsl[r]):int(qsl[r + 1])] for r in rows])
+        sub_qsl = torch.tensor([0] + list(itertools.accumulate(q_lens[r] for r in rows)),
+                               dtype=torch.int32)
+        sub_sl = torch.tensor([lens[r] for r in rows], dtype=torch.int32)
+        sub_bt = bt[torch.tensor(rows, device="cuda")].contiguous()
+        out = torch.full_like(sub_q, float("nan"))
+        plan = make_device_plan(sub_qsl, sub_sl, num_kv_heads=hkv, group_size=hq // hkv,
+                                head_dim=d, device="cuda", batch_invariant=True)
+        ion_attention(sub_q, k_cache, v_cache, out, sub_qsl.cuda(), sub_sl.cuda(), sub_bt,
+                      scale, plan)
+        torch.cuda.synchronize()
+        return {r: out[int(a):int(a) + q_lens[r]] for r, a in zip(rows, sub_qsl[:-1])}
+
+    together = attend(list(range(6)))
+    for order in ([5, 2, 0], [2], [4, 3, 1, 5]):
+        for r, rows in attend(order).items():
+            assert torch.equal(rows, together[r]), f"request {r} differs (seed={seed})"
+
+
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_graph_replays_new_batches(tile_m, fused, seed):
+    """One launch captured in a CUDA graph, as vLLM captures a layer, then replayed on new
+    values and on new lengths planned into the same device buffers (split-KV forced, the
+    combine always launched): every replay matches the reference."""
+    from cute_kernels import ion_attention
+    from cute_kernels.device_plan import DevicePlan, grid_ctas
+    from cute_kernels.planner import plan
+
+    hq, hkv, d = 28, 4, 128
+    q_lens, seq_lens = [1, 1, 1, 1, 300], [30000, 12000, 700, 20000, 2300]
+    case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, device="cuda",
+                           rng_device="cuda")
+    q, k_cache, v_cache, qsl, sl, bt = case
+    key = torch.empty(q.shape[0], hkv, d, dtype=q.dtype, device="cuda")
+    value = torch.empty_like(key)
+    scale = default_softmax_scale(d)
+    ctas = grid_ctas("cuda", tile_m)
+    rows = 256 * grid_ctas("cuda", 64)
+
+    def host_plan():
+        return plan(qsl.cpu().numpy(), sl.cpu().numpy(), num_kv_heads=hkv, group_size=hq // hkv,
+                    num_ctas=ctas, tile_m=tile_m, max_partial_rows=rows,
+                    cost_model=CHEAP_SPLITS, fresh_kv=fused, unpacked_prefill=True)
+
+    first = host_plan()
+    dp = DevicePlan(item_capacity=4 * first.n_items, group_capacity=4 * first.n_items,
+                    partial_rows_capacity=rows, num_ctas=ctas, head_dim=d, device="cuda",
+                    tile_m=tile_m, always_combine=True).upload(first)
+    out = torch.empty_like(q)
+
+    def launch():
+        ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan=dp,
+                      key=key if fused else None, value=value if fused else None)
+
+    launch()  # compiles and loads outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens_rng = torch.Generator().manual_seed(seed)
+    for step in range(4):
+        for t in (q, k_cache, v_cache, key, value):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        if step >= 2:  # new decode lengths within each request's own pages
+            new = [int(torch.randint(1, L + 1, (1,), generator=lens_rng))
+                   for L in seq_lens[:4]] + [seq_lens[4]]
+            sl.copy_(torch.tensor(new, dtype=sl.dtype))
+            dp.upload(host_plan())
+        assert dp.host.num_splits_max > 1, "split-KV not exercised"
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        if fused:
+            reference_kv_append(key, value, k_ref, v_ref,
+                                new_token_slot_mapping(qsl, sl, bt, 64, q.shape[0]))
+        out.fill_(float("nan"))
+        dp.partial_o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_case(case, out, (k_cache, v_cache), (k_ref, v_ref), dp, scale,
+                    f"m{tile_m} fused={fused} replay {step} seed={seed}")
