@@ -5,7 +5,7 @@
 Importing this package is cheap: no torch CUDA initialisation, no cutlass / CuTe import.
 """
 
-from ion_vllm.registration import ION_BACKEND_NAME, ION_BACKEND_QUALNAME, register
+from ion_vllm.registration import BACKEND_NAME, BACKEND_QUALNAME, register
 
-__all__ = ["ION_BACKEND_NAME", "ION_BACKEND_QUALNAME", "register"]
+__all__ = ["BACKEND_NAME", "BACKEND_QUALNAME", "register"]
 __version__ = "0.1.0"

@@ -24,11 +24,12 @@ no cutlass / CuTe import) and is idempotent.
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
-ION_BACKEND_NAME = "ION"
-ION_BACKEND_QUALNAME = "ion_vllm.backend.IonAttentionBackend"
+BACKEND_NAME = "ION"
+BACKEND_QUALNAME = "ion_vllm.backend.IonAttentionBackend"
 
 
 def install_enum_alias() -> None:
@@ -36,14 +37,14 @@ def install_enum_alias() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     member_map = AttentionBackendEnum._member_map_
-    current = member_map.get(ION_BACKEND_NAME)
+    current = member_map.get(BACKEND_NAME)
     if current is AttentionBackendEnum.CUSTOM:
         return
     if current is not None:
         raise RuntimeError(
-            f"AttentionBackendEnum already has a member named {ION_BACKEND_NAME!r} "
+            f"AttentionBackendEnum already has a member named {BACKEND_NAME!r} "
             f"({current!r}); refusing to alias it to CUSTOM")
-    member_map[ION_BACKEND_NAME] = AttentionBackendEnum.CUSTOM
+    member_map[BACKEND_NAME] = AttentionBackendEnum.CUSTOM
 
 
 def register_backend_override() -> None:
@@ -55,10 +56,10 @@ def register_backend_override() -> None:
     )
 
     previous = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
-    if previous is not None and previous != ION_BACKEND_QUALNAME:
+    if previous is not None and previous != BACKEND_QUALNAME:
         logger.warning("AttentionBackendEnum.CUSTOM was registered to %s; "
-                       "re-registering it to %s", previous, ION_BACKEND_QUALNAME)
-    register_backend(AttentionBackendEnum.CUSTOM, ION_BACKEND_QUALNAME)
+                       "re-registering it to %s", previous, BACKEND_QUALNAME)
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
 
 
 #: the name of the handler in vLLM's default logging config (vllm/logger.py)
@@ -83,10 +84,24 @@ def route_logs_to_vllm() -> None:
         ion.setLevel(vllm_logger.level)
 
 
+#: CuTeDSL's file cache of compiled kernels, read once when CuTeDSL first compiles
+CUTE_CACHE_ENV = "CUTE_DSL_CACHE_DIR"
+
+
+def default_kernel_cache_dir() -> str:
+    """Where compiled IonAttention kernels persist across processes unless
+    ``CUTE_DSL_CACHE_DIR`` is set: ``$VLLM_CACHE_ROOT/ion/cute`` (``~/.cache/vllm/ion/cute``),
+    beside vLLM's own compile caches, instead of CuTeDSL's default under ``/tmp``."""
+    import vllm.envs as envs
+
+    return os.path.join(envs.VLLM_CACHE_ROOT, "ion", "cute")
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``ION`` (and ``CUSTOM``) resolve to ION."""
     from ion_vllm.kv_tier import register_kv_tier
 
+    os.environ.setdefault(CUTE_CACHE_ENV, default_kernel_cache_dir())
     route_logs_to_vllm()
     install_enum_alias()
     register_backend_override()
@@ -96,6 +111,6 @@ def register() -> None:
 def is_registered() -> bool:
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
 
-    return (AttentionBackendEnum._member_map_.get(ION_BACKEND_NAME)
+    return (AttentionBackendEnum._member_map_.get(BACKEND_NAME)
             is AttentionBackendEnum.CUSTOM
-            and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == ION_BACKEND_QUALNAME)
+            and _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM) == BACKEND_QUALNAME)

@@ -16,46 +16,27 @@ Two levels:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from cute_kernels import variants as _kernel_variants  # plain constants, imports nothing heavy
+from cute_kernels import options as _kernel  # plain constants, imports nothing heavy
 
 BACKEND_NAME = "ION"
 
 #: Head dimensions the kernel is compiled for.
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = _kernel_variants.SUPPORTED_HEAD_DIMS
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = _kernel.SUPPORTED_HEAD_DIMS
 #: Activation / KV dtypes (torch dtype names without the ``torch.`` prefix).
-SUPPORTED_DTYPES: tuple[str, ...] = _kernel_variants.SUPPORTED_DTYPES
+SUPPORTED_DTYPES: tuple[str, ...] = _kernel.SUPPORTED_DTYPES
 #: ``--kv-cache-dtype`` values accepted (no quantized KV cache).
 SUPPORTED_KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 #: The only GPU generation the kernel is built for (TMA + wgmma, sm_90a).
 REQUIRED_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 #: KV page size of the kernel (= vLLM kernel block size, = KV tile).
-KERNEL_BLOCK_SIZE = _kernel_variants.PAGE_SIZE
+KERNEL_BLOCK_SIZE = _kernel.PAGE_SIZE
 #: Largest q-heads-per-KV-head ratio (packed GQA fills the 64-row MMA with 64 // Gp tokens).
-MAX_GQA_RATIO = _kernel_variants.MAX_GROUP
+MAX_GQA_RATIO = _kernel.MAX_GROUP
 
 _FALLBACK = "use --attention-backend FLASH_ATTN (or leave it unset) for this configuration"
-
-#: ``ION_EXPERIMENTAL_PAGE=128``: run ION on 128-token KV pages (the kernel API's
-#: ``experimental_pages``: 128-row K/V tiles on one K/V stage, two CTAs per SM; its GPU
-#: tests passed on the H200 on 2026-12-01, and it measured slower than 64-token pages).
-#: An experiment for the e2e A/B (variant ``ION+p128``); unset or 64: 64-token pages.
-EXPERIMENTAL_PAGE_ENV = "ION_EXPERIMENTAL_PAGE"
-
-
-def kernel_block_size() -> int:
-    """The kernel KV page size ION runs with: 64, or 128 under ``ION_EXPERIMENTAL_PAGE``."""
-    v = os.environ.get(EXPERIMENTAL_PAGE_ENV, "").strip()
-    if v in ("", str(KERNEL_BLOCK_SIZE)):
-        return KERNEL_BLOCK_SIZE
-    if v.isdigit() and int(v) in _kernel_variants.EXPERIMENTAL_PAGE_SIZES:
-        return int(v)
-    raise ValueError(f"{EXPERIMENTAL_PAGE_ENV}={v!r}: use {KERNEL_BLOCK_SIZE} (default) or one "
-                     f"of {_kernel_variants.EXPERIMENTAL_PAGE_SIZES}")
-
 
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``."""
@@ -103,10 +84,9 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None) -> str | None:
 
 def block_size_reason(block_size: int | None) -> str | None:
     """``None`` means the user gave no ``--block-size``: vLLM then asks the backend and
-    gets the kernel page (64; 128 under ``ION_EXPERIMENTAL_PAGE=128``).  A user-given size
-    must be a multiple of it (vLLM splits e.g. 128 into kernel pages of 64 through its
-    kernel-block-size mechanism)."""
-    page = kernel_block_size()
+    gets the kernel page (64).  A user-given size must be a multiple of it (vLLM splits
+    e.g. 128 into kernel pages of 64 through its kernel-block-size mechanism)."""
+    page = KERNEL_BLOCK_SIZE
     if block_size is None or (block_size > 0 and block_size % page == 0):
         return None
     return (f"{BACKEND_NAME}: --block-size {block_size} is not supported; the kernel's KV "
