@@ -1,40 +1,32 @@
 #!/usr/bin/env python3
-"""Randomized GPU correctness sweep of cute_kernels.append_sm90 + ion_attention.
+"""Randomized GPU correctness sweep of IonAttention's default paths against the reference.
 
 Usage (on a Hopper GPU):
-    python scripts/gpu_sweep.py [--cases 240] [--seed 0] [--out DIR]
+    python scripts/gpu_sweep.py [--cases 1000] [--seed N] [--out DIR]
 
-Each case is a fresh random batch mixing decode rows (q_len 1) with prefill
-chunks (q_len up to 2048, fresh or with context), KV lengths 1..32768 including
-exact page boundaries (multiples of 64 and +-1), requests with 0 new tokens
-(with and without context), padding rows after the last request, GQA ratios
-1/4/7/8 with 1..4 KV heads, head dims 64/128, bf16 (and every 5th case fp16),
-int64 or int32 slot mappings.  Total KV tokens per case <= --max-kv-tokens.
+Each case is a fresh random batch mixing decode rows (q_len 1) with prefill chunks (q_len up
+to 2048, fresh or with context), KV lengths 1..32768 including exact page boundaries
+(multiples of 64 and +-1), requests with 0 new tokens (with and without context), padding
+rows after the last request, GQA ratios 1/4/7/8 with 1..4 KV heads, head sizes 64/128,
+bf16 (and every 5th case fp16), int64 or int32 slot mappings.  The layer path alternates
+case by case: ``fused`` (the backend's default: one launch writes the step's K/V into the
+cache and attends) and ``append`` (``kv_append``, then attention: the fallback), and the
+q-tile size rotates over 64, 128 and 192 rows, so every kernel the backend can launch runs.
 
-Per case:
-  1. random paged caches (shuffled pages + garbage spare pages), random new K/V;
-  2. ``cute_kernels.append_sm90`` writes the new K/V at ``slot_mapping``;
-     ``reference_kv_append`` does the same on a copy -> caches must be equal;
-  3. ``out`` is filled with NaN, ``cute_kernels.ion_attention`` runs;
-  4. compared with ``reference_paged_attention`` (fp32) on the reference cache.
-Pass bar: relative error (||out-ref||/||ref|| over written rows) <= --tol
-(1e-2), no NaN in written rows, every row that must not be written (padding rows,
-requests with no work) still NaN, caches bit-equal to the reference append.
+Per case: random paged caches (shuffled pages, garbage spare pages), random new K/V; the
+output is NaN-poisoned; the kernel runs; the result is compared with the fp32 reference.
+Pass bar, per element as FlashAttention's tests judge: max |out - ref| <= 2 x that of the
+same attention in PyTorch in the input dtype + 1e-4; no NaN in written rows; every row that
+must not be written (padding, requests without work) still NaN; the cache equal to the
+reference append wherever a request holds tokens, untouched where no request does.  Every
+``--force-split-every``-th case (default 4) is planned with a split-friendly cost model, so
+split-KV and the combine pass run on many cases.
 
-``--path fused`` runs the fused-writeback call instead of steps 2-3: no
-``kv_append``; ``ion_attention(..., key=, value=)`` writes the new K/V inside the
-attention launch, and the cache must equal the reference at every position
-< seq_len of every request, with every block no request uses untouched
-(positions past seq_len in a request's last page may hold garbage,
-docs/contract.md).  Every ``--force-split-every``-th case (default 4) is
-planned with a split-friendly cost model, so split-KV and the combine pass run
-on many cases.  Each result records the plan's split items and partial rows.
-
-Writes ``cases.jsonl`` (one line per case) and ``summary.json`` into --out
-(default bench/results/sweep-<date>) and prints a table; exit code 1 if any
-case fails.  ``--fault spare_pages`` deliberately hands the kernel a block table
-in which the request with the most new tokens points at garbage pages: every
-case must then fail (a check that the sweep can fail).  ``--list`` prints the cases (CPU only).
+The base seed is fresh unless ``--seed`` is given, and recorded.  Writes ``cases.jsonl``
+(one line per case) and ``summary.json`` into --out (default bench/results/sweep-<date>) and
+prints a table; exit code 1 if any case fails.  ``--fault spare_pages`` hands the kernel a
+block table in which the request with the most new tokens points at garbage pages: every
+case must then fail (a check that the sweep can fail).  ``--list`` prints the cases (CPU).
 """
 
 from __future__ import annotations
@@ -60,9 +52,11 @@ MAX_KV = 32768
 MAX_CHUNK = 2048
 GQA_RATIOS = (1, 4, 7, 8)
 HEAD_DIMS = (64, 128)
-DEFAULT_CASES = 240
+DEFAULT_CASES = 1000
 DEFAULT_MAX_KV_TOKENS = 65536
-DEFAULT_TOL = 1e-2
+ATOL = 1e-4
+TILE_MS = (64, 128, 192)
+PATHS = ("fused", "append")
 
 
 @dataclasses.dataclass
@@ -219,10 +213,11 @@ def make_cases(n: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
     return [make_case(i, seed, max_kv_tokens, pad_rows) for i in range(n)]
 
 
-def judge(rel_err: float, nan_in_written: bool, poison_ok: bool, cache_ok: bool,
-          tol: float) -> bool:
-    """The pass bar of one case (NaN rel_err never passes)."""
-    return (rel_err <= tol) and (not nan_in_written) and poison_ok and cache_ok
+def judge(max_err: float, pt_err: float, nan_in_written: bool, poison_ok: bool,
+          cache_ok: bool) -> bool:
+    """The pass bar of one case: the kernel's largest error against the fp32 reference is at
+    most twice PyTorch's in the input dtype, plus ATOL (NaN never passes)."""
+    return (max_err <= 2 * pt_err + ATOL) and (not nan_in_written) and poison_ok and cache_ok
 
 
 def fault_block_table(bt, seq_lens, q_lens, used_pages_mask):
@@ -261,24 +256,24 @@ def _sync(device) -> None:
 FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_launch_us=0.0)
 
 
+def case_path(case: SweepCase) -> tuple[str, int]:
+    """(layer path, q-tile rows) of a case: fused / append alternate, tiles rotate."""
+    # GQA ratio and head size cycle over index % 8 (make_case): every 48 cases hold each
+    # (ratio, head size, path, tile size) combination once
+    return PATHS[(case.index // 8) % 2], TILE_MS[(case.index // 16) % len(TILE_MS)]
+
+
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
-              unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
-              lazy_rescale: bool = False, pdl_combine: bool = False,
-              lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
-              pingpong=None, pin_pv_wait=None):
-    """The device plan for one case (the sweep plans explicitly so it can force splits and
-    record how many items were split)."""
-    from cute_kernels.attention import make_device_plan
-    from cute_kernels.planner import CostModel
+              tile_m: int):
+    """The device plan for one case (planned here so it can force splits and record how
+    many items were split)."""
+    from cute_kernels import make_device_plan
+    from cute_kernels.cost_model import CostModel
 
     cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
     return make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=case.hkv, group_size=case.g,
-                            page_size=PAGE, head_dim=case.d, device=device,
-                            fresh_kv=fresh_kv, unpacked_prefill=unpacked, tile_m=tile_m,
-                            cost_model=cm, row_combine=row_combine,
-                            lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                            lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                            pingpong=pingpong, pin_pv_wait=pin_pv_wait)
+                            head_dim=case.d, device=device, fresh_kv=fresh_kv, tile_m=tile_m,
+                            cost_model=cm)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -303,25 +298,26 @@ def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
     return ok_ref and ok_unused
 
 
-def run_case(case: SweepCase, device, tol: float, fault: str = "none",
-             impl=None, path: str = "append", force_split: bool = False,
-             unpacked: bool = False, tile_m: int = 64, row_combine: bool = False,
-             lazy_rescale: bool = False, pdl_combine: bool = False,
-             lane_combine: bool = False, kv_pair: bool = False, kv_stages=None,
-             pingpong=None, pin_pv_wait=None) -> Dict:
-    """Run one case; ``impl`` (default: the ``cute_kernels`` module) provides
-    ``kv_append`` and ``ion_attention`` (tests inject other implementations).
-    ``path``: "append" (kv_append, then attention) or "fused" (one call writes the cache
-    and attends)."""
+def run_case(case: SweepCase, device, fault: str = "none", impl=None,
+             force_split: bool = False, path: Optional[str] = None,
+             tile_m: Optional[int] = None) -> Dict:
+    """Run one case on its path and tile size (``case_path`` unless given); ``impl``
+    (default: the ``cute_kernels`` module) provides ``kv_append`` and ``ion_attention``
+    (tests inject other implementations)."""
     import torch
     if impl is None:
         import cute_kernels as impl
+    from cute_kernels import worklist as W
     from cute_kernels.reference import (make_paged_case, new_token_slot_mapping,
                                         reference_kv_append, reference_paged_attention,
                                         relative_error, written_rows_mask)
 
     dtype = getattr(torch, case.dtype)
-    res = {"index": case.index, "pass": False, "error": None}
+    path = path or case_path(case)[0]
+    tile_m = tile_m or case_path(case)[1]
+    fused = path == "fused"
+    res = {"index": case.index, "pass": False, "error": None, "path": path,
+           "tile_m": tile_m, "forced_split": force_split}
     t0 = time.perf_counter()
     try:
         q, kc, vc, qsl, sl, bt = make_paged_case(
@@ -336,23 +332,13 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
         slots = slots.to(getattr(torch, case.slot_dtype))
         ref_k, ref_v = kc.clone(), vc.clone()
         reference_kv_append(key, value, ref_k, ref_v, slots)
-        fused = path == "fused"
         plan = make_plan(case, qsl, sl, device, force_split=force_split, fresh_kv=fused,
-                         unpacked=unpacked, tile_m=tile_m, row_combine=row_combine,
-                         lazy_rescale=lazy_rescale, pdl_combine=pdl_combine,
-                         lane_combine=lane_combine, kv_pair=kv_pair, kv_stages=kv_stages,
-                         pingpong=pingpong, pin_pv_wait=pin_pv_wait)
-        res.update(path=path, forced_split=force_split, tile_m=tile_m,
-                   unpacked_items=int((plan.host.work[:, 8] >= 0).sum()) if plan.num_items else 0,
-                   split_items=int((plan.host.work[:, 7] > 1).sum()) if plan.num_items else 0,
-                   split_unpacked_items=int(((plan.host.work[:, 7] > 1)
-                                             & (plan.host.work[:, 8] >= 0)).sum())
-                   if plan.num_items else 0,
-                   partial_rows=int(plan.host.partial_rows),
-                   # the fused launch runs the 16-byte straddle-copy kernels (the default
-                   # "auto" picks them for plans with a straddling fresh tile)
-                   vec_straddle=bool(fused and getattr(plan, "vec_straddle", False)))
-
+                         tile_m=tile_m)
+        w = plan.host.work
+        res.update(unpacked_items=int((w[:, W.QHEAD] >= 0).sum()),
+                   split_items=int((w[:, W.NSPLIT] > 1).sum()),
+                   split_unpacked_items=int(((w[:, W.NSPLIT] > 1) & (w[:, W.QHEAD] >= 0)).sum()),
+                   partial_rows=int(plan.host.partial_rows))
         if fused:
             orig_k, orig_v = kc.clone(), vc.clone()
         else:
@@ -368,11 +354,7 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
             kernel_bt = fault_block_table(bt, case.seq_lens, case.q_lens, used)
         scale = 1.0 / math.sqrt(case.d)
         out = torch.full_like(q, float("nan"))
-        if pdl_combine:
-            # the PDL combine may be scheduled before the attention grid ends: a partial read
-            # too early must show, not find plausible stale values in reused memory
-            plan.partial_o.fill_(float("nan"))
-            plan.partial_lse.fill_(float("nan"))
+        plan.partial_o.fill_(float("nan"))  # a split read before it is written must show
         _sync(device)
         t1 = time.perf_counter()
         if fused:
@@ -387,18 +369,19 @@ def run_case(case: SweepCase, device, tol: float, fault: str = "none",
                                      case.seq_lens)
 
         ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+        pt = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale,
+                                       compute_dtype=dtype)
         mask = written_rows_mask(qsl, sl, total_q).to(device)
         written = out[mask]
         nan_in_written = bool(torch.isnan(written).any())
         poison_ok = bool(torch.isnan(out[~mask]).all()) if (~mask).any() else True
         rel = relative_error(out, ref, mask)
-        diff = (written.float() - ref[mask]).abs()
-        finite = diff[torch.isfinite(diff)]
-        max_abs = float(finite.max()) if finite.numel() else (
-            0.0 if diff.numel() == 0 else float("nan"))
-        res.update(rel_err=rel, max_abs_err=max_abs, nan_in_written=nan_in_written,
-                   poison_ok=poison_ok, cache_ok=cache_ok, kernel_s=t_kernel)
-        res["pass"] = judge(rel, nan_in_written, poison_ok, cache_ok, tol)
+        max_err = float((written.float() - ref[mask]).abs().max()) if mask.any() else 0.0
+        pt_err = float((pt[mask] - ref[mask]).abs().max()) if mask.any() else 0.0
+        res.update(rel_err=rel, max_abs_err=max_err, pytorch_max_abs_err=pt_err,
+                   nan_in_written=nan_in_written, poison_ok=poison_ok, cache_ok=cache_ok,
+                   kernel_s=t_kernel)
+        res["pass"] = judge(max_err, pt_err, nan_in_written, poison_ok, cache_ok)
     except Exception as e:  # a crash is a failure of this case, keep sweeping
         res["error"] = f"{type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc(limit=8)
@@ -421,18 +404,19 @@ def _reduce_worse(xs):
     return out
 
 
-def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
+def summarize(cases: List[SweepCase], results: List[Dict]) -> Dict:
     by_variant: Dict[str, Dict] = {}
     for c, r in zip(cases, results):
-        key = f"{c.dtype}/D{c.d}/G{c.g}"
-        v = by_variant.setdefault(key, {"cases": 0, "passed": 0, "max_rel_err": None,
-                                         "errors": 0})
+        key = f"{c.dtype}/D{c.d}/G{c.g}/{r['path']}/m{r['tile_m']}"
+        v = by_variant.setdefault(key, {"cases": 0, "passed": 0, "max_abs_err": None,
+                                         "pytorch_max_abs_err": None, "errors": 0})
         v["cases"] += 1
         v["passed"] += int(r["pass"])
         v["errors"] += int(r.get("error") is not None)
-        v["max_rel_err"] = _worse(v["max_rel_err"], r.get("rel_err"))
+        v["max_abs_err"] = _worse(v["max_abs_err"], r.get("max_abs_err"))
+        v["pytorch_max_abs_err"] = _worse(v["pytorch_max_abs_err"],
+                                          r.get("pytorch_max_abs_err"))
     failed = [r["index"] for r in results if not r["pass"]]
-    rels = [r["rel_err"] for r in results if r.get("rel_err") is not None]
     tag_counts: Dict[str, int] = {}
     for c in cases:
         for t in c.tags:
@@ -442,81 +426,52 @@ def summarize(cases: List[SweepCase], results: List[Dict], tol: float) -> Dict:
         "passed": len(results) - len(failed),
         "failed": len(failed),
         "failed_indices": failed,
-        "tol": tol,
-        "max_rel_err": _reduce_worse(rels),
-        "mean_rel_err": (sum(rels) / len(rels)) if rels else None,
+        "bar": f"max abs error <= 2 x PyTorch in the input dtype + {ATOL}",
+        "max_rel_err": _reduce_worse(r.get("rel_err") for r in results),
         "by_variant": dict(sorted(by_variant.items())),
         "tag_counts": tag_counts,
+        "cases_by_path": {p: sum(1 for r in results if r["path"] == p) for p in PATHS},
+        "cases_by_tile_m": {t: sum(1 for r in results if r["tile_m"] == t) for t in TILE_MS},
         "cases_with_split_kv": sum(1 for r in results if r.get("split_items", 0) > 0),
         "split_items": sum(r.get("split_items", 0) for r in results),
         "cases_with_unpacked_tiles": sum(1 for r in results if r.get("unpacked_items", 0) > 0),
         "cases_with_split_unpacked": sum(1 for r in results
                                          if r.get("split_unpacked_items", 0) > 0),
-        "cases_vec_straddle": sum(1 for r in results if r.get("vec_straddle")),
         "verdict": "PASS" if not failed else "FAIL",
     }
 
 
 def print_table(summary: Dict) -> None:
-    print(f"{'variant':<20}{'cases':>7}{'passed':>8}{'errors':>8}{'max_rel_err':>14}")
+    print(f"{'variant':<34}{'cases':>6}{'passed':>7}{'errors':>7}{'max_err':>10}{'pytorch':>10}")
     for k, v in summary["by_variant"].items():
-        print(f"{k:<20}{v['cases']:>7}{v['passed']:>8}{v['errors']:>8}"
-              f"{_fmt(v['max_rel_err']):>14}")
-    print(f"{'TOTAL':<20}{summary['cases']:>7}{summary['passed']:>8}"
-          f"{'':>8}{_fmt(summary['max_rel_err']):>14}")
-    print(f"verdict: {summary['verdict']} (tol {summary['tol']:g}; "
+        print(f"{k:<34}{v['cases']:>6}{v['passed']:>7}{v['errors']:>7}"
+              f"{_fmt(v['max_abs_err']):>10}{_fmt(v['pytorch_max_abs_err']):>10}")
+    print(f"{'TOTAL':<34}{summary['cases']:>6}{summary['passed']:>7}")
+    print(f"verdict: {summary['verdict']} ({summary['bar']}; seed {summary.get('seed')}; "
           f"failed: {summary['failed_indices'][:20]})")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        description="Randomized GPU sweep of cute_kernels.append_sm90 + ion_attention "
-                    "against the fp32 reference.")
-    ap.add_argument("--cases", type=int, default=DEFAULT_CASES, help="number of cases (240)")
-    ap.add_argument("--seed", type=int, default=0, help="base seed")
+        description="Randomized GPU sweep of IonAttention's default paths against the "
+                    "reference.")
+    ap.add_argument("--cases", type=int, default=DEFAULT_CASES,
+                    help=f"number of cases ({DEFAULT_CASES})")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="base seed (default: fresh, recorded in summary.json)")
     ap.add_argument("--out", default=None,
                     help="output dir (default bench/results/sweep-<date>)")
-    ap.add_argument("--tol", type=float, default=DEFAULT_TOL, help="max relative error")
     ap.add_argument("--max-kv-tokens", type=int, default=DEFAULT_MAX_KV_TOKENS,
                     help="bound on the total KV tokens of one case")
     ap.add_argument("--no-pad-rows", action="store_true",
                     help="never add padding rows after the last request")
     ap.add_argument("--fault", choices=("none", "spare_pages"), default="none",
                     help="inject a fault on the kernel side (every case must fail)")
-    ap.add_argument("--path", choices=("append", "fused"), default="append",
-                    help="append: kv_append then attention (the backend's default); fused: "
-                         "one call writes the cache and attends (ION_FUSED_KV_WRITEBACK=1)")
-    ap.add_argument("--tile-m", type=int, choices=(64, 128, 192), default=64,
-                    help="q tile rows: 128 runs the two-consumer-warpgroup kernel, 192 the "
-                         "three-consumer one (the backend's tiles for long prefill steps)")
-    ap.add_argument("--unpacked-prefill", action="store_true",
-                    help="plan with unpacked prefill tiles (ION_UNPACKED_PREFILL=1 variant)")
     ap.add_argument("--force-split-every", type=int, default=4,
                     help="plan every N-th case with a split-friendly cost model (0: never)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="seconds; start no new case after this (0: no limit). The summary "
                          "then covers the cases run and records how many were planned")
-    ap.add_argument("--row-combine", action="store_true",
-                    help="merge split-KV partials with the row-parallel combine kernel")
-    ap.add_argument("--lazy-rescale", action="store_true",
-                    help="the lazy-rescaling kernel variants (an experiment)")
-    ap.add_argument("--pdl-combine", action="store_true",
-                    help="launch the split-KV combine by programmatic dependent launch "
-                         "(the split-KV workspace is NaN-poisoned before each case)")
-    ap.add_argument("--lane-combine", action="store_true",
-                    help="merge split-KV partials with the split-parallel combine kernel")
-    ap.add_argument("--kv-pair", action="store_true",
-                    help="the page-pair kernel variants (two pages per K/V stage; needs "
-                         "--tile-m 128)")
-    ap.add_argument("--kv-stages", type=int, default=None,
-                    help="K/V pipeline stages of the 128-row kernels (2 or 3 instead of the "
-                         "default 4; needs --tile-m 128)")
-    ap.add_argument("--pingpong", choices=("on", "off"), default=None,
-                    help="warpgroup ping-pong on the 128-row kernels (default: the kernels' "
-                         "default, attention.PINGPONG_DEFAULT; needs --tile-m 128)")
-    ap.add_argument("--pin-pv-wait", choices=("on", "off"), default=None,
-                    help="the kernels' PV wait pinned after the softmax (default: the "
-                         "kernels' default, attention.PIN_PV_WAIT_DEFAULT)")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
     ap.add_argument("--device", default="cuda")
@@ -525,21 +480,16 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _pingpong_arg(value):
-    """``--pingpong on|off`` (or ``--pin-pv-wait``) as the plan option (None: the kernels'
-    default)."""
-    return None if value is None else value == "on"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cases = make_cases(args.cases, args.seed, args.max_kv_tokens, not args.no_pad_rows)
+    seed = args.seed if args.seed is not None else time.time_ns() % (2 ** 31)
+    cases = make_cases(args.cases, seed, args.max_kv_tokens, not args.no_pad_rows)
     if args.only:
         keep = {int(i) for i in args.only.split(",") if i.strip()}
         cases = [c for c in cases if c.index in keep]
     if args.list:
         for c in cases:
-            print(json.dumps(c.to_json()))
+            print(json.dumps({**c.to_json(), "path": case_path(c)}))
         return 0
 
     import torch
@@ -550,42 +500,31 @@ def main(argv=None) -> int:
     out_dir = args.out or os.path.join(
         ROOT, "bench", "results", "sweep-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
+    print(f"gpu_sweep: seed {seed} (replay: --seed {seed})", flush=True)
     results = []
     t_start = time.perf_counter()
     with open(os.path.join(out_dir, "cases.jsonl"), "w") as f:
         for c in cases:
             if args.time_budget and time.perf_counter() - t_start > args.time_budget:
                 break
-            fs = args.force_split_every > 0 and c.index % args.force_split_every == (
-                args.force_split_every - 1)
-            r = run_case(c, device, args.tol, args.fault, path=args.path, force_split=fs,
-                         unpacked=args.unpacked_prefill, tile_m=args.tile_m,
-                         row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
-                         pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
-                         kv_pair=args.kv_pair, kv_stages=args.kv_stages,
-                         pingpong=_pingpong_arg(args.pingpong),
-                         pin_pv_wait=_pingpong_arg(args.pin_pv_wait))
-            rec = {**c.to_json(), **r}
-            f.write(json.dumps(rec) + "\n")
+            every = args.force_split_every
+            r = run_case(c, device, args.fault,
+                         force_split=every > 0 and c.index % every == every - 1)
+            f.write(json.dumps({**c.to_json(), **r}) + "\n")
             f.flush()
             results.append(r)
             if not args.quiet:
                 status = "ok  " if r["pass"] else "FAIL"
                 print(f"[{c.index:4d}] {status} {c.dtype[:4]} D{c.d} G{c.g} Hkv{c.hkv} "
-                      f"B{len(c.q_lens)} q{c.total_q} kv{c.total_kv} "
-                      f"split={r.get('split_items', 0)} "
-                      f"rel={_fmt(r.get('rel_err'))} {r.get('error') or ''}", flush=True)
-    summary = summarize(cases[:len(results)], results, args.tol)
-    summary.update(cases_planned=len(cases), seed=args.seed, fault=args.fault, path=args.path,
-                   unpacked_prefill=args.unpacked_prefill, tile_m=args.tile_m,
-                   row_combine=args.row_combine, lazy_rescale=args.lazy_rescale,
-                   pdl_combine=args.pdl_combine, lane_combine=args.lane_combine,
-                   kv_pair=args.kv_pair, kv_stages=args.kv_stages, pingpong=args.pingpong,
-                   pin_pv_wait=args.pin_pv_wait,
+                      f"{r['path']} m{r['tile_m']} B{len(c.q_lens)} q{c.total_q} "
+                      f"kv{c.total_kv} split={r.get('split_items', 0)} "
+                      f"err={_fmt(r.get('max_abs_err'))}/{_fmt(r.get('pytorch_max_abs_err'))} "
+                      f"{r.get('error') or ''}", flush=True)
+    summary = summarize(cases[:len(results)], results)
+    summary.update(cases_planned=len(cases), seed=seed, fault=args.fault,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
-                   device_name=torch.cuda.get_device_name(device),
-                   torch=torch.__version__)
+                   device_name=torch.cuda.get_device_name(device), torch=torch.__version__)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print_table(summary)

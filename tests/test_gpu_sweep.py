@@ -19,25 +19,22 @@ def _load():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path,unpacked", [("append", False), ("fused", False),
-                                           ("append", True)])
-def test_reduced_sweep_passes(tmp_path, path, unpacked):
+def test_reduced_sweep_passes(tmp_path):
     sw = _load()
     out = tmp_path / "sweep"
-    rc = sw.main(["--cases", "24", "--seed", "1234", "--out", str(out), "--quiet",
-                  "--path", path] + (["--unpacked-prefill"] if unpacked else []))
+    rc = sw.main(["--cases", "48", "--out", str(out), "--quiet"])
     summary = json.loads((out / "summary.json").read_text())
     lines = (out / "cases.jsonl").read_text().splitlines()
-    assert len(lines) == 24
+    assert len(lines) == 48
     bad = [json.loads(x) for x in lines if not json.loads(x)["pass"]]
-    assert rc == 0 and summary["verdict"] == "PASS", bad[:3]
-    assert summary["passed"] == 24
-    assert summary["path"] == path and summary["cases_with_split_kv"] > 0
-    assert (summary["cases_with_unpacked_tiles"] > 0) == unpacked
-    assert summary["max_rel_err"] <= 1e-2
-    # all GQA ratios and both head dims were exercised
-    assert {k.split("/")[2] for k in summary["by_variant"]} == {"G1", "G4", "G7", "G8"}
-    assert {k.split("/")[1] for k in summary["by_variant"]} == {"D64", "D128"}
+    assert rc == 0 and summary["verdict"] == "PASS", (summary["seed"], bad[:3])
+    assert summary["passed"] == 48 and summary["cases_with_split_kv"] > 0
+    # both paths, every tile size, all GQA ratios and both head dims were exercised
+    keys = [k.split("/") for k in summary["by_variant"]]
+    assert {k[2] for k in keys} == {"G1", "G4", "G7", "G8"}
+    assert {k[1] for k in keys} == {"D64", "D128"}
+    assert {k[3] for k in keys} == set(sw.PATHS)
+    assert {k[4] for k in keys} == {f"m{t}" for t in sw.TILE_MS}
 
 
 @pytest.mark.gpu
