@@ -474,6 +474,8 @@ def parse_args(argv=None):
                          "then covers the cases run and records how many were planned")
     ap.add_argument("--only", default="",
                     help="comma-separated case indices to run (for reproducing one failure)")
+    ap.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="run the cases whose index is K modulo N (N processes, one GPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     ap.add_argument("--quiet", action="store_true", help="no per-case lines")
@@ -487,6 +489,8 @@ def main(argv=None) -> int:
     if args.only:
         keep = {int(i) for i in args.only.split(",") if i.strip()}
         cases = [c for c in cases if c.index in keep]
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    cases = [c for c in cases if c.index % shards == shard]
     if args.list:
         for c in cases:
             print(json.dumps({**c.to_json(), "path": case_path(c)}))
@@ -521,7 +525,7 @@ def main(argv=None) -> int:
                       f"err={_fmt(r.get('max_abs_err'))}/{_fmt(r.get('pytorch_max_abs_err'))} "
                       f"{r.get('error') or ''}", flush=True)
     summary = summarize(cases[:len(results)], results)
-    summary.update(cases_planned=len(cases), seed=seed, fault=args.fault,
+    summary.update(cases_planned=len(cases), seed=seed, shard=args.shard, fault=args.fault,
                    force_split_every=args.force_split_every, max_kv_tokens=args.max_kv_tokens,
                    wall_s=time.perf_counter() - t_start, out_dir=out_dir,
                    device_name=torch.cuda.get_device_name(device), torch=torch.__version__)
