@@ -181,12 +181,17 @@ def compiled_kv_append(dtype: torch.dtype, head_dim: int, num_kv_heads: int,
             "kv_append needs torch.Tensor.__dlpack_c_exchange_api__ (torch >= 2.9 "
             "or the torch-c-dlpack-ext package) to launch on the current stream"
         )
+    from . import kernel_cache
+
+    def compile_it():
+        kernel = KVAppendKernel(num_kv_heads, head_dim, page_size)
+        args = kv_append_fake_args(dtype, head_dim, num_kv_heads, page_size, index_dtype)
+        return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+
     with _CACHE_LOCK:
         fn = _CACHE.get(key)
         if fn is None:
-            kernel = KVAppendKernel(num_kv_heads, head_dim, page_size)
-            args = kv_append_fake_args(dtype, head_dim, num_kv_heads, page_size, index_dtype)
-            fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+            fn = kernel_cache.load_or_compile(("kv_append",) + tuple(map(str, key)), compile_it)
             _CACHE[key] = fn
     return fn
 

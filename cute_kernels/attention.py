@@ -3,9 +3,8 @@
 Kernels are compiled once per ``KernelOptions`` from fake tensors with symbolic sizes
 (``--enable-tvm-ffi``), then called with torch tensors directly on the current torch
 stream.  Compilation needs no GPU, so CI compiles every kernel for sm_90a on a CPU.
-CuTeDSL keeps compiled kernels in its file cache (``$CUTE_DSL_CACHE_DIR``; ``ion_vllm``
-points it at ``~/.cache/ion-vllm/cute`` unless set), so a later process skips the
-compiler's back end.
+Compiled kernels persist across processes in ``kernel_cache`` (a later process loads them
+without compiling).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from . import kernel_cache
 from .device_plan import DevicePlan, make_device_plan
 from .options import PAGE_SIZE, KernelOptions, group_pad_for
 
@@ -118,22 +118,25 @@ def combine_kernel_and_fake_args(options: KernelOptions):
                     make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_attention(options: KernelOptions):
+def _compile(kernel_and_args):
     import cutlass.cute as cute
 
-    kernel, args = kernel_and_fake_args(options)
+    kernel, args = kernel_and_args
     with _compile_lock:
         return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_attention(options: KernelOptions):
+    return kernel_cache.load_or_compile(
+        ("attention", options), lambda: _compile(kernel_and_fake_args(options)))
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_combine(combine_key: tuple):
-    import cutlass.cute as cute
-
-    kernel, args = combine_kernel_and_fake_args(KernelOptions(*combine_key))
-    with _compile_lock:
-        return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+    options = KernelOptions(*combine_key)
+    return kernel_cache.load_or_compile(
+        ("combine", combine_key), lambda: _compile(combine_kernel_and_fake_args(options)))
 
 
 def compiled_combine(options: KernelOptions):

@@ -1,8 +1,9 @@
 """Test-wide setup.
 
 * ``gpu`` tests run only where an sm_90 (Hopper) GPU is present.
-* Scratch files stay inside the checkout (``.pytest_tmp/``, removed at the end): the suite
-  leaves nothing in ``/tmp``.  CuTeDSL's file cache is off, so compile tests compile.
+* Scratch files stay inside the checkout (``.pytest_tmp/<pid>``, removed at the end): the
+  suite leaves nothing in ``/tmp``.  CuTeDSL's file cache is off, so compile tests compile;
+  ION's kernel cache lives in the scratch too.
 * ``seed``: a fresh seed per session, printed in the report header and used by every
   randomized test; ``PYTEST_SEED=<n>`` replays a session.
 """
@@ -18,12 +19,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SCRATCH = os.path.join(ROOT, ".pytest_tmp")
+SCRATCH = os.path.join(ROOT, ".pytest_tmp", str(os.getpid()))
 os.makedirs(SCRATCH, exist_ok=True)
 os.environ["TMPDIR"] = SCRATCH
 tempfile.tempdir = SCRATCH
 os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 os.environ.setdefault("CUTE_DSL_CACHE_DIR", os.path.join(SCRATCH, "cute"))
+os.environ.setdefault("ION_KERNEL_CACHE", os.path.join(SCRATCH, "kernels"))
 
 SESSION_SEED = int(os.environ.get("PYTEST_SEED") or time.time_ns() % (1 << 31))
 
@@ -43,6 +45,10 @@ def seed(request) -> int:
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SCRATCH, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(SCRATCH))  # the last session out removes the parent
+    except OSError:
+        pass
 
 
 def _hopper_available() -> bool:

@@ -242,3 +242,35 @@ def test_cuda_graph_replays_new_batches(tile_m, fused, seed):
         torch.cuda.synchronize()
         _check_case(case, out, (k_cache, v_cache), (k_ref, v_ref), dp, scale,
                     f"m{tile_m} fused={fused} replay {step} seed={seed}")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_kernels_loaded_from_the_cache_run_right(fused, seed, tmp_path, monkeypatch):
+    """A process start loads its kernels from the persistent cache, compiling nothing: the
+    loaded kernels (exported object files, not the in-process compile) pass the same
+    checks as the compiled ones."""
+    from cute_kernels import attention, kernel_cache
+
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(tmp_path))
+    compiled = []
+    real_compile = attention._compile
+
+    def counting_compile(kernel_and_args):
+        compiled.append(1)
+        return real_compile(kernel_and_args)
+
+    monkeypatch.setattr(attention, "_compile", counting_compile)
+    for cached in (attention.compiled_attention, attention._compiled_combine):
+        cached.cache_clear()
+    try:
+        _run(torch.bfloat16, 128, 28, 4, 128, fused, "split", seed)  # compiles, exports
+        assert compiled and len(list(tmp_path.glob("*.o"))) == 2
+        compiled.clear()
+        for cached in (attention.compiled_attention, attention._compiled_combine):
+            cached.cache_clear()
+        result = _run(torch.bfloat16, 128, 28, 4, 128, fused, "split", seed)
+        assert not compiled, "a kernel was compiled although the cache held it"
+        _check_case(*result, f"cached fused={fused} seed={seed}")
+    finally:
+        for cached in (attention.compiled_attention, attention._compiled_combine):
+            cached.cache_clear()
