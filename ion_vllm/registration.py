@@ -24,7 +24,6 @@ no cutlass / CuTe import) and is idempotent.
 from __future__ import annotations
 
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -84,24 +83,10 @@ def route_logs_to_vllm() -> None:
         ion.setLevel(vllm_logger.level)
 
 
-#: CuTeDSL's file cache of compiled kernels, read once when CuTeDSL first compiles
-CUTE_CACHE_ENV = "CUTE_DSL_CACHE_DIR"
-
-
-def default_kernel_cache_dir() -> str:
-    """Where compiled IonAttention kernels persist across processes unless
-    ``CUTE_DSL_CACHE_DIR`` is set: ``$VLLM_CACHE_ROOT/ion/cute`` (``~/.cache/vllm/ion/cute``),
-    beside vLLM's own compile caches, instead of CuTeDSL's default under ``/tmp``."""
-    import vllm.envs as envs
-
-    return os.path.join(envs.VLLM_CACHE_ROOT, "ion", "cute")
-
-
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``ION`` (and ``CUSTOM``) resolve to ION."""
     from ion_vllm.kv_tier import register_kv_tier
 
-    os.environ.setdefault(CUTE_CACHE_ENV, default_kernel_cache_dir())
     route_logs_to_vllm()
     install_enum_alias()
     register_backend_override()
