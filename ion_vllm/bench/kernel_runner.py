@@ -67,16 +67,17 @@ def logical_qkv(case: Case, rot: int, device):
     return out
 
 
-def qkv_views(case: Case, *tensors):
-    """``q`` / ``key`` / ``value`` (``[T, H, D]``, in that order; a prefix of them may be
-    given) as the engine hands them over when ``case.qkv_layout == "fused"``: copied into
-    its columns of a ``[T, (hq + 2 hkv) * D]`` buffer and returned as a strided view; the
-    same tensors otherwise."""
+def qkv_views(case: Case, **given):
+    """The given of ``q`` / ``key`` / ``value`` (``[T, H, D]``, keyword order kept) as the
+    engine hands them over when ``case.qkv_layout == "fused"``: each copied into its columns
+    of a ``[T, (hq + 2 hkv) * D]`` buffer (q at 0, key at hq*D, value at (hq + hkv)*D, as a
+    fused qkv projection lays them out) and returned as a strided view; as given otherwise."""
     import torch
     if case.qkv_layout != "fused":
-        return tensors
+        return tuple(given.values())
     out = []
-    for col, t in zip((0, case.hq, case.hq + case.hkv), tensors):
+    for name, t in given.items():
+        col = {"q": 0, "key": case.hq, "value": case.hq + case.hkv}[name]
         T, H, D = t.shape
         buf = torch.zeros((T, (case.hq + 2 * case.hkv) * D), dtype=t.dtype, device=t.device)
         view = buf[:, col * D:(col + H) * D].view(T, H, D)
@@ -115,7 +116,7 @@ def _paged(case: Case, rot: int, device, page: int, shape, write):
     bt, tp, to, n_pages = page_assignment(case, page, rot)
     cache = torch.empty(shape(n_pages), dtype=q.dtype, device=device).normal_()
     write(cache, torch.from_numpy(tp * page + to).to(device), k_log, v_log)
-    return qkv_views(case, q)[0], cache, torch.from_numpy(bt).to(device)
+    return qkv_views(case, q=q)[0], cache, torch.from_numpy(bt).to(device)
 
 
 def ion_cache(case: Case, rot: int, device):
@@ -165,7 +166,7 @@ def new_token_rows(case: Case, rot: int, device, page: int = PAGE):
                           for s, q, kv in zip(starts, case.q_lens, case.kv_lens)])
     slots = torch.from_numpy(tok_page[sel] * page + tok_off[sel]).to(device)
     i = torch.from_numpy(sel).to(device)
-    key, value = qkv_views(case, k_log[i].contiguous(), v_log[i].contiguous())
+    key, value = qkv_views(case, key=k_log[i].contiguous(), value=v_log[i].contiguous())
     return key, value, slots
 
 
