@@ -258,13 +258,14 @@ def cmd_e2e(args) -> int:
                 prior.setdefault(rec["case"], {})[rec["backend"]] = (
                     rec.get("runs", []) + rec.get("unpaired_runs", []))
 
-    def flush(records):
+    def flush(records):  # after every run: a command killed at its time limit keeps them
         report.update_summary(out, records)
-        report.render(out)
+        report.render(out, plot=False)
     kw = dict(log=_log, on_records=flush, prior=prior, t_start=t_start)
     recs = (e2e_mod.run_serve(workloads, opts, out, colocate=args.colocate, **kw) if args.serve
             else e2e_mod.run_throughput(workloads, opts, out, **kw))
-    flush(recs)
+    report.update_summary(out, recs)
+    report.render(out)
     for rec in recs:
         rat = rec.get(f"ratio_total_tok_s_vs_{e2e_mod.BASELINE}")
         if rat:

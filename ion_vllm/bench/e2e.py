@@ -374,7 +374,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float, poll_s: float = 2.0) -> None:
+HEALTH_POLL_S = 2.0
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float,
+                 poll_s: float | None = None) -> None:
     """Return once GET /health answers 200; raise if ``proc`` exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -386,7 +390,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float, poll_s: floa
                     return
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
-        time.sleep(poll_s)
+        time.sleep(HEALTH_POLL_S if poll_s is None else poll_s)
     raise TimeoutError(f"vllm serve not healthy after {timeout:.0f}s")
 
 
@@ -412,9 +416,9 @@ class Server:
             self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT,
                                          start_new_session=True, env={**os.environ, **self.env})
 
-    def wait(self, timeout: float, poll_s: float = 2.0) -> None:
+    def wait(self, timeout: float) -> None:
         try:
-            wait_healthy(self.port, self.proc, timeout, poll_s)
+            wait_healthy(self.port, self.proc, timeout)
             self.startup_s = time.monotonic() - self.started
         except Exception as e:  # noqa: BLE001 - recorded; the others go on
             self.error = f"{type(e).__name__}: {e} (server log {self.log_path})"

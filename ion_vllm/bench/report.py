@@ -341,10 +341,10 @@ def render_plot(summary: dict, path: str | os.PathLike) -> Path | None:
     return out
 
 
-def render(directory: str | os.PathLike) -> tuple[Path, Path | None]:
-    """Write ``table.md`` and ``plot.png`` from ``summary.json`` in ``directory``."""
+def render(directory: str | os.PathLike, plot: bool = True) -> tuple[Path, Path | None]:
+    """Write ``table.md`` (and ``plot.png``) from ``summary.json`` in ``directory``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     summary = load_summary(d)
     (d / "table.md").write_text(render_table(summary))
-    return d / "table.md", render_plot(summary, d / "plot.png")
+    return d / "table.md", render_plot(summary, d / "plot.png") if plot else None
