@@ -119,9 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add this call's repeats to the runs already in summary.json")
     e.add_argument("--dry-run", action="store_true", help="print the vLLM commands and exit")
 
-    s = sub.add_parser("startup", allow_abbrev=False, help="vllm serve time-to-ready per backend, CuTeDSL "
-                                       "cache cold and warm; unknown arguments go to vllm serve",
-                       epilog="e.g. ion-bench startup --repeats 2 --max-model-len 8192")
+    s = sub.add_parser(
+        "startup", allow_abbrev=False,
+        help="vllm serve time-to-ready per backend, CuTeDSL cache cold and warm",
+        description="Time from `vllm serve MODEL` start until GET /health is 200, per backend: "
+                    "a first start fills vLLM's caches, then --repeats times a start with the "
+                    "CuTeDSL cache emptied (cute-cold) and one with the cache it filled (warm). "
+                    "Arguments ion-bench does not know go to vllm serve.",
+        epilog="e.g. ion-bench startup --repeats 2 --max-model-len 8192")
     _backends(s)
     s.add_argument("--repeats", type=int, default=1, help="cute-cold + warm starts per backend")
     s.add_argument("--cache-root", help="where the caches of every start live (default: a "
