@@ -34,7 +34,7 @@ def _listed(capsys):
     return [line.split()[0] for line in capsys.readouterr().out.splitlines()]
 
 
-def test_kernel_list_selects_cases_and_checks_backends(capsys, monkeypatch):
+def test_kernel_list_selects_cases_and_checks_backends(capsys, monkeypatch, tmp_path):
     assert cli.main(["kernel", "--suite", "smoke", "--list"]) == 0
     assert _listed(capsys) == ["decode-32x8192-h28/4-d128", "mixed-32x8192+p2048-h28/4-d128"]
     assert cli.main(["kernel", "--case", "prefill-1x8192-h28/4-d128,decode-8x32768-h28/4-d128",
@@ -45,10 +45,14 @@ def test_kernel_list_selects_cases_and_checks_backends(capsys, monkeypatch):
     assert cli.main(["kernel", "--case", "nope", "--list"]) == 2
     assert cli.main(["kernel", "--backends", "ion,ion-auto-fused", "--list"]) == 2
     assert "ion-auto-fused" in capsys.readouterr().out
-    # a script's extra backend is accepted once registered
-    monkeypatch.setitem(kernel_runner.BACKENDS, "tag-ion", kernel_runner.ion_backend("fused"))
-    assert cli.main(["kernel", "--backends", "ion,tag-ion,fa3", "--suite", "smoke",
-                     "--list"]) == 0
+    # a script's extra backend is accepted once registered (--register runs the script)
+    monkeypatch.setattr(kernel_runner, "BACKENDS", dict(kernel_runner.BACKENDS))
+    reg = tmp_path / "reg.py"
+    reg.write_text("from ion_vllm.bench import kernel_runner as kr\n"
+                   "kr.BACKENDS['tag-ion'] = kr.ion_backend('fused')\n")
+    assert cli.main(["kernel", "--backends", "ion,tag-ion,fa3", "--list"]) == 2
+    assert cli.main(["kernel", "--register", str(reg), "--backends", "ion,tag-ion,fa3",
+                     "--suite", "smoke", "--list"]) == 0
 
 
 def test_report_subcommand(tmp_path, capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib.metadata
+import runpy
 import shlex
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backends", default="ion,ion-attn,fa3",
                    help="comma-separated names of kernel_runner.BACKENDS: "
                         + ", ".join(kernel_runner.BACKENDS))
+    k.add_argument("--register", action="append", default=[], metavar="FILE.py",
+                   help="run this Python file first; it may add backends to "
+                        "ion_vllm.bench.kernel_runner.BACKENDS (repeatable)")
     k.add_argument("--iters", type=int, default=60, help="timed calls per case and backend")
     k.add_argument("--warmup", type=int, default=10)
     k.add_argument("--timing", choices=kernel_runner.TIMINGS, default="interleaved",
@@ -152,6 +156,8 @@ def _backends(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- kernel
 
 def cmd_kernel(args) -> int:
+    for path in args.register:
+        runpy.run_path(path, run_name="ion_bench_register")
     try:
         cases = kernel_suite.select(args.suite, _csv(args.case))
     except KeyError as err:
