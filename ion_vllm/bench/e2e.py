@@ -321,35 +321,23 @@ def build_records(w: Workload, runs: dict[str, list[dict]], opts: E2EOptions, ca
 
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None
                ) -> tuple[int, str]:
-    """Run ``cmd`` in its own session, teeing its output to ``log_path``; on timeout or
-    interrupt the whole process group (vLLM's engine core included) is killed."""
+    """Run ``cmd`` in its own session, its output into ``log_path``; on timeout or interrupt
+    the whole process group (vLLM's engine core included) is killed.  Returns (exit code,
+    -9 on timeout; the log's text)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    out: list[str] = []
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-
-        def pump():
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                out.append(line)
-        th = threading.Thread(target=pump, daemon=True)
-        th.start()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
         try:
             rc = proc.wait(timeout=timeout)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
             kill_group(proc)
-            th.join(timeout=10)
-            log.write(f"\n[ion-bench] killed: {e!r}\n")
             if isinstance(e, KeyboardInterrupt):
                 raise
-            return -9, "".join(out)
-        th.join(timeout=30)
-    return rc, "".join(out)
+            rc = -9
+    return rc, log_path.read_text(errors="replace")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
@@ -467,21 +455,18 @@ def reset_prefix_cache(port: int, tries: int = 3) -> bool | None:
             req = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache",
                                          data=b"", method="POST")
             with urllib.request.urlopen(req, timeout=30) as r:
-                body = r.read().decode(errors="replace")
+                body = r.read()
             try:
-                ok = bool(json.loads(body).get("success", True))
+                if json.loads(body or b"{}").get("success", True):  # it refuses while
+                    return True                                     # blocks are in use
             except (ValueError, AttributeError):
-                ok = True
+                return True  # 200 without a JSON verdict
         except urllib.error.HTTPError as e:
             if e.code in (404, 405):
                 return None
-            ok = False
-        except (urllib.error.URLError, ConnectionError, OSError):
-            ok = False
-        if ok:
-            return True
-        if i + 1 < tries:
-            time.sleep(1.0)
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0 if i + 1 < tries else 0)
     return False
 
 
