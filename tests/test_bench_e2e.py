@@ -182,6 +182,8 @@ def test_throughput_ab_with_another_checkout(model, tag, tmp_path, fake):
     assert (out / "raw" / f"seed-{e2e.fs_name(labels[1])}-r1.json").exists()
     assert f"{labels[1]}/FA total" in (out / "table.md").read_text()
     assert (out / "plot.png").exists()
+    assert (out / "commands.txt").read_text().split(" ", 1)[1] == \
+        "ion-bench " + " ".join(argv) + "\n"
     # --accumulate continues the repeats (without it the records are replaced)
     assert cli.main(argv + ["--repeats", "1", "--accumulate"]) == 0
     recs = {r["backend"]: r for r in report.load_summary(out)["records"]}

@@ -3,6 +3,7 @@ K/V; the ION backends drive the ``cute_kernels`` API as documented (a plain-PyTo
 here, so neither a GPU nor the kernels are needed); the suite driver's timing (CUDA events
 replaced by the host clock), interleaving, correctness check and failure handling."""
 
+import sys
 import time
 from types import SimpleNamespace
 
@@ -183,13 +184,29 @@ def test_registry_holds_the_default_backends_only():
                                  "triton"]
 
 
-def test_import_package_loads_a_checkout_beside_the_installed_one(tmp_path):
-    pkg = tmp_path / "tree" / "cute_kernels"
+def test_import_package_loads_a_checkout_beside_the_installed_one(tmp_path, monkeypatch):
+    """Another checkout's package, loaded under an alias while a package of the same name
+    is installed: its lazy exports (absolute imports of its own name, as cute_kernels'
+    __getattr__) and its call-time relative imports resolve inside it."""
+    pkg = tmp_path / "tree" / "ck_under_test"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from .attention import ion_attention\n")
-    (pkg / "attention.py").write_text("def ion_attention(*a, **k):\n    return 'tag'\n")
-    mod = kr.import_package(str(pkg), "tag_cute_kernels_test")
-    assert mod.ion_attention() == "tag" and mod.attention.__name__ == "tag_cute_kernels_test.attention"
+    (pkg / "__init__.py").write_text(
+        "__all__ = ['ion_attention']\n"
+        "def __getattr__(name):\n"
+        "    import importlib\n"
+        "    return importlib.import_module('ck_under_test.attention').ion_attention\n")
+    (pkg / "attention.py").write_text(
+        "def ion_attention():\n    from .kernel import WHO\n    return WHO\n")
+    (pkg / "kernel.py").write_text("WHO = 'tag'\n")
+    installed = SimpleNamespace(__name__="ck_under_test")
+    monkeypatch.setitem(sys.modules, "ck_under_test", installed)
+    monkeypatch.setitem(sys.modules, "ck_under_test.kernel", SimpleNamespace(WHO="installed"))
+    mod = kr.import_package(str(pkg), "tag_ck_under_test")
+    assert mod.ion_attention() == "tag" and mod.attention.__name__ == "tag_ck_under_test.attention"
+    assert sys.modules["ck_under_test"] is installed  # the installed one is left in place
+    assert sys.modules["ck_under_test.kernel"].WHO == "installed"
+    for k in [k for k in sys.modules if k.startswith("tag_ck_under_test")]:
+        del sys.modules[k]
 
 
 # --------------------------------------------------------------------------- driver

@@ -63,6 +63,16 @@ def _meta(gpu: str) -> dict:
     return {"gpu": gpu, "date": _dt.date.today().isoformat(), "versions": versions()}
 
 
+def _results_dir(args, gpu: str) -> Path:
+    """The results dir; the command line that writes into it is appended to commands.txt."""
+    out = Path(args.out) if args.out else report.default_results_dir(gpu)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "commands.txt", "a") as f:
+        f.write(f"{_dt.datetime.now().isoformat(timespec='seconds')} "
+                f"{shlex.join(['ion-bench', *args.argv])}\n")
+    return out
+
+
 # --------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +190,7 @@ def cmd_kernel(args) -> int:
         _log("ion-bench kernel: no CUDA device")
         return 2
     gpu = torch.cuda.get_device_name(torch.device(args.device))
-    out = Path(args.out) if args.out else report.default_results_dir(gpu)
+    out = _results_dir(args, gpu)
     _log(f"[kernel] {len(cases)} case(s) x {backends} on {gpu}; results -> {out}")
     ceil = _meta(gpu)
     if args.no_ceilings:
@@ -257,7 +267,7 @@ def cmd_e2e(args) -> int:
         _log(f"ion-bench: {err.args[0] if isinstance(err, KeyError) else err}")
         return 2
     gpu = gpu_name_via_subprocess(opts.python)
-    out = Path(args.out) if args.out else report.default_results_dir(gpu)
+    out = _results_dir(args, gpu)
     mode = "colocated serve" if args.colocate else "serve" if args.serve else "throughput"
     _log(f"[e2e] {[w.name for w in workloads]} x {list(opts.backends)} x {opts.repeats} "
          f"repeats ({mode}); results -> {out}")
@@ -303,7 +313,7 @@ def cmd_startup(args, extra: list[str]) -> int:
         _log(f"ion-bench: {err}")
         return 2
     gpu = gpu_name_via_subprocess(opts.python)
-    out = Path(args.out) if args.out else report.default_results_dir(gpu)
+    out = _results_dir(args, gpu)
     report.update_summary(out, [], _meta(gpu))
     with tempfile.TemporaryDirectory(prefix="ion-startup-") as tmp:
         root = Path(args.cache_root or tmp)
@@ -332,7 +342,9 @@ def cmd_report(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = p.parse_known_args(argv)
+    args.argv = argv
     if args.cmd == "startup":
         return cmd_startup(args, extra)
     if extra:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import pkgutil
 import statistics
 import sys
 import time
@@ -179,14 +180,31 @@ def _meta(case: Case, device):
 # --------------------------------------------------------------------------- backends
 
 def import_package(package_dir: str, alias: str):
-    """Import the package in ``package_dir`` (e.g. another checkout's ``cute_kernels``)
-    under the module name ``alias``, beside the installed one; its relative imports resolve
-    inside it.  For :func:`ion_backend`'s ``kernels``."""
+    """Import the package in ``package_dir`` (e.g. another checkout's ``cute_kernels``) under
+    the module name ``alias``, beside the installed one, for :func:`ion_backend`'s
+    ``kernels``.  Its submodules are imported at once under ``alias``, so its relative imports
+    (at call time too) stay inside it, and its exported names (``__all__``; the lazy
+    ``__getattr__`` of ``cute_kernels`` imports them by absolute name) are bound to its own
+    modules while they answer for the package's original name."""
+    orig = os.path.basename(os.path.normpath(package_dir))
     spec = importlib.util.spec_from_file_location(
         alias, os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[alias] = mod
     spec.loader.exec_module(mod)
+    subs = {f"{orig}.{m.name}": importlib.import_module(f"{alias}.{m.name}")
+            for m in pkgutil.iter_modules([package_dir])}
+    saved = {k: sys.modules.get(k) for k in [orig, *subs]}
+    sys.modules.update({orig: mod, **subs})
+    try:
+        for name in getattr(mod, "__all__", []):
+            setattr(mod, name, getattr(mod, name))
+    finally:
+        for k, m in saved.items():
+            if m is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = m
     return mod
 
 
