@@ -296,3 +296,20 @@ def test_time_budget_skips_runs_and_keeps_pairs(model, tmp_path, fake, monkeypat
                      "--model", str(model), "--out", str(tmp_path / "c")]) == 0
     assert [r["status"] for r in report.load_summary(tmp_path / "c")["records"]] == \
         ["ok", "ok", "skipped", "skipped"]
+
+
+def test_kill_group_escalates_until_the_whole_group_is_gone():
+    """A server that ignores SIGINT, with a child that ignores SIGTERM too: both are gone
+    after kill_group (SIGINT, then SIGTERM, then SIGKILL)."""
+    import subprocess
+    import sys
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+            "time.sleep(60)']); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "1\n"  # the child runs and has set its handlers
+    e2e.kill_group(proc, grace=0.2)
+    assert proc.poll() is not None and not e2e._group_alive(proc.pid)

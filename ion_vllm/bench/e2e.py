@@ -340,20 +340,42 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
     return rc, log_path.read_text(errors="replace")
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which hold no GPU memory and
+    wait for a parent or init to reap them, do not count)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop the process group led by ``proc`` (started with its own session): SIGINT, then
-    SIGTERM, then SIGKILL; a helper left in the group after its leader exited gets SIGTERM."""
-    steps = ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0))
-    for sig, wait in steps if proc.poll() is None else ((signal.SIGTERM, 0),):
+    SIGTERM, then SIGKILL, until no process of the group runs (vLLM's engine core holds the
+    GPU until it exits, and the next server may be about to start)."""
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader
+            if not _group_alive(proc.pid):
+                return
+            time.sleep(0.05)
+    proc.poll()
 
 
 def free_port() -> int:
