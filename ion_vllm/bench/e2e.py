@@ -364,7 +364,8 @@ def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop the process group led by ``proc`` (started with its own session): SIGINT, then
     SIGTERM, then SIGKILL, until no process of the group runs (vLLM's engine core holds the
     GPU until it exits, and the next server may be about to start)."""
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, max(1.0, grace / 2)),
+                      (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
