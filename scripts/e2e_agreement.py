@@ -34,8 +34,9 @@ Verdict rule: PASS iff
 i.e. ION must be at least as close to FlashAttention as vLLM's own Triton
 backend, up to a 1.5x margin on the logprob deviations.
 
-``--break`` runs ION with ``ION_FAULT_INJECT=swap_kv_page`` (the backend then
-swaps two KV pages); the script must then report FAIL.  Writes
+``--break`` runs ION with a fault injected by this script (``inject_fault``: every
+``cute_kernels.ion_attention`` launch reads a wrong KV page, with vLLM's engine core in the
+worker process so that the patch applies); the script must then report FAIL.  Writes
 ``agreement.json`` + ``agreement.md`` (and per-backend raw results and logs)
 to --out (default bench/results/e2e-agreement-<date>), prints a table, and
 exits 0 on PASS, 1 on FAIL, 2 on a worker error.
@@ -59,7 +60,6 @@ REFERENCE = "FLASH_ATTN"
 DEFAULT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "ION")
 MAX_REGULAR_TOKEN = 151643  # ids below the special tokens of the Qwen2 tokenizer
 LOGPROB_MARGIN = 1.5
-FAULT_ENV = "ION_FAULT_INJECT"
 FAULT_VALUE = "swap_kv_page"
 
 
@@ -129,10 +129,48 @@ def extract_prompt_logprobs(token_ids: Sequence[int], prompt_logprobs) -> Dict[s
     return {"top1": top1, "teacher_logprob": teacher}
 
 
+def fault_block_table(block_table):
+    """A copy of ``block_table`` whose request 0 reads a wrong KV page: its page 0 aliased
+    to the last request's page 0 (several requests), else its pages 0 and 1 swapped.  Merely
+    swapping two fully visible pages would not change attention (RoPE is inside K), so the
+    alias to another sequence's K/V is what makes the fault observable end to end."""
+    broken = block_table.clone()
+    if block_table.shape[0] >= 2:
+        broken[0, 0] = block_table[-1, 0]
+    elif block_table.shape[1] >= 2:
+        broken[0, 0:2] = block_table[0, 0:2].flip(0)
+    return broken
+
+
+def inject_fault() -> int:
+    """``--break``: replace ``cute_kernels.ion_attention`` (and every loaded
+    ``cute_kernels.*`` module's binding of it) by a wrapper that hands the kernel
+    :func:`fault_block_table` of its block table.  Call before vLLM builds the engine, with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core then runs in this process).
+    Returns the number of bindings replaced."""
+    import cute_kernels
+
+    real = cute_kernels.ion_attention
+
+    def broken(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, *args, **kw):
+        return real(q, k_cache, v_cache, out, query_start_loc, seq_lens,
+                    fault_block_table(block_table), *args, **kw)
+
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name.split(".")[0] == "cute_kernels" and getattr(mod, "ion_attention", None) is real:
+            mod.ion_attention = broken
+            n += 1
+    return n
+
+
 def worker(backend: str, task_path: str, result_path: str) -> int:
     """Runs inside a fresh subprocess: one LLM with ``backend``."""
     with open(task_path) as f:
         task = json.load(f)
+    if task.get("fault"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        inject_fault()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -164,7 +202,8 @@ def worker(backend: str, task_path: str, result_path: str) -> int:
             res.append({"ids": ids, "logprobs": lps})
         return res
 
-    result = {"backend": backend, "init_s": t_init, "fault": os.environ.get(FAULT_ENV)}
+    result = {"backend": backend, "init_s": t_init,
+              "fault": FAULT_VALUE if task.get("fault") else None}
     t1 = time.time()
     if task.get("teacher") is None:
         # reference: generate first, then teacher-force prompt + its own tokens
@@ -312,8 +351,11 @@ def parse_args(argv=None):
                     help="vLLM cudagraph_mode for the ION run only (default: vLLM's default); "
                          "FULL checks capture/replay of mixed batches")
     ap.add_argument("--break", dest="break_", action="store_true",
-                    help=f"run ION with {FAULT_ENV}={FAULT_VALUE} (must report FAIL)")
+                    help="run ION with a wrong KV page in every attention launch (must "
+                         "report FAIL)")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="use only the first N prompts (shortest first; a quick smoke run)")
     ap.add_argument("--topk", type=int, default=5, help="prompt_logprobs / logprobs k")
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -344,11 +386,8 @@ def run_worker(backend: str, task: Dict, out_dir: str, fault: bool, timeout: int
     task_path = os.path.join(out_dir, f"task-{tag}.json")
     result_path = os.path.join(out_dir, f"result-{tag}.json")
     with open(task_path, "w") as f:
-        json.dump(task, f)
+        json.dump(dict(task, fault=fault), f)
     env = dict(os.environ)
-    env.pop(FAULT_ENV, None)
-    if fault:
-        env[FAULT_ENV] = FAULT_VALUE
     log_path = os.path.join(out_dir, f"log-{tag}.txt")
     t0 = time.time()
     with open(log_path, "w") as log:
@@ -381,7 +420,7 @@ def main(argv=None) -> int:
     out_dir = args.out or os.path.join(ROOT, "bench", "results", f"e2e-agreement-{date}")
     os.makedirs(out_dir, exist_ok=True)
     model = ensure_model(args.model)
-    prompts = build_prompts(args.seed)
+    prompts = build_prompts(args.seed)[:args.num_prompts]
     task = {"model": model, "prompts": prompts, "topk": args.topk,
             "gen_tokens": args.gen_tokens, "enforce_eager": args.enforce_eager,
             "ion_cudagraph_mode": args.ion_cudagraph_mode,
@@ -396,7 +435,7 @@ def main(argv=None) -> int:
         task["teacher"] = results[REFERENCE]["teacher"]
         for b in backends[1:]:
             fault = args.break_ and b == "ION"
-            print(f"running {b}{' with ' + FAULT_ENV + '=' + FAULT_VALUE if fault else ''}",
+            print(f"running {b}{' with the fault ' + FAULT_VALUE if fault else ''}",
                   flush=True)
             results[b] = run_worker(b, task, out_dir, fault, args.worker_timeout)
     except (RuntimeError, subprocess.TimeoutExpired) as e:

@@ -1,93 +1,53 @@
 #!/usr/bin/env bash
-# One device lease's worth of GPU evidence, run as a single background chain so that it can
-# outlive the 10-minute limit of one command (start it with setsid, then poll OUT/steps.txt).
-# Steps, in order (each with its own time limit; a failed step does not stop the chain):
-#   kbench  kernel A/B on the anchor suite (alone on the GPU): ion-auto (the default
-#           attention), ion-auto-fused (what a layer runs by default: fused KV writeback, one
-#           launch), ion-auto-s2 / ion-auto-fused-s2 (the same with two K/V stages on
-#           128-row tiles, the depth before 2026-12-02), fa3; interleaved timing
-#   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
-#           operations on CUDA streams, both copiers; a store/load round trip)
-#   hostcost scripts/kv_tier_host_cost.py: host time of the tier worker's submit_store /
-#           submit_load / get_finished under both issue points, no profiler (every block
-#           checked)
-#   probes  the ring path's two suspects alone (twenty-sixth session): step gather,
-#           scripts/ring_gather_probe.py (the worker's gather kernel alone and beside bf16
-#           GEMMs, at high and normal stream priority); step copyprobe,
-#           scripts/copy_contention_probe.py (a 4 KiB GPU -> host copy behind one 256 MiB
-#           copy or behind it cut into 128 KiB / 1 MiB pieces in one batched call;
-#           COPYPROBE_MODES)
-#   sideprobe scripts/side_stream_probe.py: CUDA graphs' replay time per kernel before and
-#           after a copy, then a kernel, ran on a second stream (thirtieth session's reading;
-#           SIDEPROBE_GRAPHS, default torch,pdl,plain: PyTorch's adds and a Triton add with
-#           and without programmatic dependent launch; ~30 s)
-#   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
-#           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
-#           GPU block ids in consecutive runs, then at random
-#   preempt the KV tier's preemption check in float32 on TRITON_ATTN (tiny real-weight model,
-#           /tmp/tiny): reference, tier (with block verification) and control run side by
-#           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
-#           comparison is meaningful
-#   kval    the kernel GPU tests + the lane-combine and page-pair (attention, fused)
-#           500-case sweeps (KVAL_STEPS overrides the list)
-#           (CPU-compile bound; the tests took 190 s before the 128-token-page file was
-#           added); it runs while the e2e servers start up (~160 s): steps.txt and
-#           e2e.log's time stamps show whether it ended before the first e2e bench run
-#   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
-#           2 repeats, interleaved A/B
-#   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
-#           then, once all are up, measure one at a time, repeats interleaved)
-#   kvtier2 a second kvtier run (KVTIER2_CONFIGS, KVTIER2_REPEATS, KVTIER2_S, KVTIER2_ARGS)
-#   share   scripts/attention_share.py on the seed workload (SHARE_BACKENDS, default ION vs
-#           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each;
-#           SHARE_ARGS extra flags, e.g. the skewed workload: "--input-len 4096
-#           --output-len 512 --range-ratio 0.9 --num-prompts 128 --max-num-seqs 64
-#           --profile-prompts 64")
-#   agree   scripts/e2e_agreement.py on the tiny real-weight model (ION, TRITON_ATTN against
-#           FLASH_ATTN), under vLLM's CUDA graphs unless AGREE_ARGS says otherwise; one run
-#           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
-# Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
-# SESSION_DEADLINE_S (the chain's wall budget; see below),
-# KBENCH_BACKENDS, KBENCH_TIMING (interleaved, the default: backends alternate call by call; or queued), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
-# E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
-# refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
-# kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, AGREE_MODES (default
-# "default FULL"), AGREE_ARGS, MODEL, DEMO_MODEL, TINY_MODEL.
-# Preflight: exits 3 (steps.txt says why) when a step's imports (vllm, cutlass) are missing.
-#   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
-# Results: OUT/{steps.txt,kbench/,hostcost/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
+# One GPU session's evidence as one chain that may outlive a 10-minute device command:
+#   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &     # then poll OUT/steps.txt
+# Steps (SESSION_STEPS, space-separated, run in this order; default "kval kbench e2e startup"):
+#   kval     the kernel GPU tests (pytest -m gpu, KV-tier tests excepted) and the randomized
+#            sweeps against the fp32 reference on the append and fused paths (KVAL_CASES,
+#            default 500), side by side (they are CPU-compile bound), each with its own
+#            CuTeDSL cache
+#   kbench   ion-bench kernel, interleaved: KBENCH_SUITES (anchors) x KBENCH_BACKENDS
+#            (ion,ion-attn,ion-append,fa3,fa3-layer); KBENCH_REGISTER=FILE.py registers more
+#            backends first (e.g. another checkout's kernels)
+#   e2e      ion-bench e2e --serve --colocate: E2E_WORKLOADS (seed,skewed) x E2E_BACKENDS
+#            (ION,FLASH_ATTN; NAME@DIR runs NAME with DIR's packages), E2E_REPEATS (2),
+#            E2E_KV_GIB (29) per server, E2E_BUDGET_S (900)
+#   startup  ion-bench startup: STARTUP_BACKENDS (ION,FLASH_ATTN), STARTUP_REPEATS (1),
+#            STARTUP_ARGS (passed to vllm serve), STARTUP_S (2400)
+#   agree    scripts/e2e_agreement.py on the tiny real-weight model (AGREE_ARGS)
+#   kvgpu    the KV tier's GPU tests (tests/test_kv_tier_gpu.py)
+#   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS ion,ion-defer,native,
+#            KVTIER_REPEATS 3, KVTIER_S 720, KVTIER_ARGS); cut short, its finished repeats
+#            are rebuilt into results (--from-repeats)
+#   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
+# Models: MODEL (served; default bench/demo-model, made when missing), TINY_MODEL (default
+# bench/models/tiny-qwen2, made when missing).
+# A failed step does not stop the chain.  SESSION_DEADLINE_S: the chain's wall budget; each
+# step's limit is cut to what is left minus 15 s, and a step with under 30 s left is skipped.
+# SESSION_DRY_RUN=1 records each step's command in steps.txt instead of running it.
+# The chain runs from a copy of the code (cute_kernels ion_vllm scripts tests) in a temporary
+# dir it removes when it ends, so that a device call re-syncing the checkout never replaces a
+# file a running step reads (SESSION_SNAPSHOT=0: run from the checkout).
+# Exits 3 (reason in steps.txt) when a step's imports (vllm, cutlass) are missing.
+# Results: OUT/steps.txt, OUT/<step>.log, OUT/<step>/.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-# Run from a private copy of the checkout: every device call re-syncs the working tree, and
-# a file replaced while CuTeDSL reads a kernel's source fails that compile (seen on
-# 2026-12-01: one sweep case, "could not get source code" for a kernel method).
-# SESSION_DEADLINE_S: the whole chain's wall budget in seconds, counted from this start
-# (0 or unset: none).  Each step's limit is cut to what is left minus a 15 s margin, and a
-# step with under 30 s left is skipped, so that a device call's own limit never kills the
-# chain before the command after it (the tar of OUT) runs; the thirteenth session lost a
-# call's results that way.
-export ION_SESSION_T0=${ION_SESSION_T0:-$(date +%s)}
-if [ -z "${ION_SESSION_SNAPSHOT:-}" ]; then
-  snap=$(mktemp -d /tmp/ion-session-src.XXXXXX)
-  tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$snap" -xf -
-  ION_SESSION_SNAPSHOT=$snap exec bash "$snap/scripts/gpu_session.sh" "$out"
-fi
-# MODEL: the served model; unset, the offline demo model at DEMO_MODEL (default
-# /tmp/ion-demo), made by scripts/make_demo_model.py when missing
-model=${MODEL:-${DEMO_MODEL:-/tmp/ion-demo}}
-tiny=${TINY_MODEL:-/tmp/tiny}
-steps=${SESSION_STEPS:-kbench preempt e2e kvtier}
+steps=${SESSION_STEPS-kval kbench e2e startup}
+model=${MODEL:-$root/bench/demo-model}
+tiny=${TINY_MODEL:-$root/bench/models/tiny-qwen2}
+deadline=${SESSION_DEADLINE_S:-0}
+dry=${SESSION_DRY_RUN:-0}
+t0=$(date +%s)
 : > "$out/steps.txt"
 
 want() { [[ " $steps " == *" $1 "* ]]; }
-mark() { printf '%s %-8s %s\n' "$(date -u +%H:%M:%S)" "$1" "$2" >> "$out/steps.txt"; }
-deadline=${SESSION_DEADLINE_S:-0}
+mark() { printf '%s %-12s %s\n' "$(date -u +%H:%M:%S)" "$1" "$2" >> "$out/steps.txt"; }
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   if [ "$deadline" -gt 0 ]; then
-    local left=$(( deadline - ($(date +%s) - ION_SESSION_T0) - 15 ))
+    local left=$(( deadline - ($(date +%s) - t0) - 15 ))
     if [ "$left" -lt 30 ]; then
       mark "$name" "skipped: SESSION_DEADLINE_S=$deadline leaves ${left} s"
       return
@@ -97,120 +57,107 @@ step() {  # step NAME SECONDS CMD...
       secs=$left
     fi
   fi
+  if [ "$dry" = 1 ]; then
+    mark "$name" "would run (limit ${secs} s): $*"
+    return
+  fi
   mark "$name" "start: $*"
-  # every log line gets a UTC time stamp, so that overlaps between steps can be checked
+  # every log line gets a UTC time stamp, so that overlapping steps can be told apart
   timeout "$secs" "$@" 2>&1 | while IFS= read -r l; do printf '%s %s\n' "$(date -u +%T)" "$l"; done \
     > "$out/$name.log"
   mark "$name" "rc=${PIPESTATUS[0]}"
 }
 
-# Preflight: a device call that fails inside a step costs its start-up minutes, so check
-# first that what the steps import is there (on the GPU host: `. .gpu/cute/env.sh`, with
-# .gpu/cute carried, after the vLLM bundle was staged), and make the demo model if a step
-# serves it and it is missing.
-need_vllm=0
-need_cute=0
-for s in kvgpu hostcost probes copy preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
-for s in kbench kval e2e kvtier kvtier2 share agree; do want "$s" && need_cute=1; done
+# scratch space (the code snapshot, per-step CuTeDSL caches), removed however the chain ends
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/ion-session.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+trap 'exit 143' TERM INT
+if [ "${SESSION_SNAPSHOT:-1}" = 1 ]; then
+  mkdir "$scratch/src"
+  for p in cute_kernels ion_vllm scripts tests setup.py pytest.ini; do
+    [ -e "$root/$p" ] && cp -r "$root/$p" "$scratch/src/"
+  done
+  mark snapshot "$(cd "$scratch/src" && echo *)"
+  cd "$scratch/src"
+else
+  cd "$root"
+fi
+
+need_vllm=0 need_cute=0
+for s in e2e startup agree kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
+for s in kval kbench e2e startup agree kvtier; do want "$s" && need_cute=1; done
 missing=
-[ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
-[ "$need_cute" = 1 ] && ! python3 -c "import cutlass" > /dev/null 2>&1 && missing="$missing cutlass"
+if [ "$dry" != 1 ]; then
+  [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
+  [ "$need_cute" = 1 ] && ! python3 -c "import cutlass" > /dev/null 2>&1 && missing="$missing cutlass"
+fi
 if [ -n "$missing" ]; then
-  mark preflight "not importable:$missing (on the GPU host: . .gpu/cute/env.sh with .gpu/cute carried, after staging the vLLM bundle)"
+  mark preflight "not importable:$missing"
   mark all done
   exit 3
 fi
-if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] && { want e2e || want kvtier || want kvtier2 || want share; }; then
+if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] \
+    && { want e2e || want startup || want kvtier; }; then
   step model 120 python3 scripts/make_demo_model.py "$model"
 fi
-# the tiny real-weight model of preempt / agree (a bare host has none: the twenty-first
-# session's preempt step failed on a missing /tmp/tiny)
 if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] && { want preempt || want agree; }; then
   step tiny 180 python3 scripts/make_tiny_model.py "$tiny"
 fi
 
+if want kval; then
+  CUTE_DSL_CACHE_DIR=$scratch/cute-tests step kval-tests 900 \
+    python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests \
+    --ignore=tests/test_kv_tier_gpu.py &
+  for path in append fused; do
+    CUTE_DSL_CACHE_DIR=$scratch/cute-$path step "sweep-$path" 600 python3 scripts/gpu_sweep.py \
+      --cases "${KVAL_CASES:-500}" --path "$path" --time-budget 540 --quiet --out "$out/sweep-$path" &
+  done
+  wait
+fi
 if want kbench; then
-  kb_default=ion-auto,ion-auto-s2,ion-auto-fused,ion-auto-fused-s2,fa3
-  step kbench 240 python3 -m ion_vllm.bench.cli kernel --suite anchors \
-    --backends "${KBENCH_BACKENDS:-$kb_default}" --timing "${KBENCH_TIMING:-interleaved}" \
-    --out "$out/kbench"
+  reg=; [ -n "${KBENCH_REGISTER:-}" ] && reg="--register ${KBENCH_REGISTER}"
+  for suite in ${KBENCH_SUITES:-anchors}; do
+    # shellcheck disable=SC2086  # reg is empty or two words
+    step "kbench-$suite" 600 python3 -m ion_vllm.bench.cli kernel --suite "$suite" $reg \
+      --backends "${KBENCH_BACKENDS:-ion,ion-attn,ion-append,fa3,fa3-layer}" \
+      --timing interleaved --out "$out/kbench"
+  done
+fi
+if want e2e; then
+  step e2e "$(( ${E2E_BUDGET_S:-900} + 300 ))" python3 -m ion_vllm.bench.cli e2e --serve \
+    --colocate --workload "${E2E_WORKLOADS:-seed,skewed}" --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" \
+    --repeats "${E2E_REPEATS:-2}" --kv-cache-gib "${E2E_KV_GIB:-29}" \
+    --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
+fi
+if want startup; then
+  # shellcheck disable=SC2086  # STARTUP_ARGS is a list of vllm serve flags
+  step startup "${STARTUP_S:-2400}" python3 -m ion_vllm.bench.cli startup \
+    --backends "${STARTUP_BACKENDS:-ION,FLASH_ATTN}" --repeats "${STARTUP_REPEATS:-1}" \
+    --model "$model" --out "$out/startup" ${STARTUP_ARGS:-}
+fi
+if want agree; then
+  # shellcheck disable=SC2086
+  step agree 900 python3 scripts/e2e_agreement.py --model "$tiny" --out "$out/agree" ${AGREE_ARGS:-}
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
 fi
-if want hostcost; then
-  step hostcost 180 python3 scripts/kv_tier_host_cost.py --out "$out/hostcost"
-fi
-if want probes; then
-  step gather 180 python3 scripts/ring_gather_probe.py --out "$out/gather"
-  step copyprobe 180 python3 scripts/copy_contention_probe.py \
-    --modes "${COPYPROBE_MODES:-none,d2h-one,d2h-batch-128,d2h-batch-1024}" \
-    --probes d2h-4k,h2d-64k --out "$out/copyprobe"
-fi
-if want sideprobe; then
-  step sideprobe 120 python3 scripts/side_stream_probe.py \
-    --graphs "${SIDEPROBE_GRAPHS:-torch,pdl,plain}" --out "$out/sideprobe"
-fi
-if want copy; then
-  for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random
-    name=copy; [ "$ids" = runs ] || name=copy-$ids
-    step "$name" 240 python3 scripts/kv_tier_copy_bench.py --ids "$ids" --out "$out/$name"
-  done
+if want kvtier; then
+  # shellcheck disable=SC2086  # KVTIER_ARGS is a list of flags
+  step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
+    --repeats "${KVTIER_REPEATS:-3}" --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" \
+    ${KVTIER_ARGS:-} --out "$out/kvtier"
+  if [ "$dry" != 1 ] && ! grep -q "kvtier       rc=0" "$out/steps.txt" \
+      && [ -s "$out/kvtier/repeats.jsonl" ]; then
+    timeout 30 python3 scripts/kv_tier_bench.py --from-repeats "$out/kvtier" \
+      > "$out/kvtier-rebuild.log" 2>&1
+    mark kvtier "rebuilt from repeats.jsonl: rc=$?"
+  fi
 fi
 if want preempt; then
   mkdir -p "$out/preempt"
   step preempt 300 python3 scripts/kv_tier_preempt_check.py "$tiny" --enforce-eager \
     --attention-backend TRITON_ATTN --dtype float32 --no-batch-invariant --parallel --verify \
     --out "$out/preempt/preempt_check_fp32_triton.json"
-fi
-kval_pid=
-if want kval; then
-  KVAL_PARALLEL=1 KVAL_STEP_S=420 KVAL_STEPS="${KVAL_STEPS:-pytest-gpu sweep-lanes sweep-kvpair sweep-fusedkp}" \
-    step kval 450 scripts/kernel_validation.sh "$out/kval" 500 &
-  kval_pid=$!
-fi
-if want e2e; then
-  step e2e "$(( ${E2E_BUDGET_S:-900} + 240 ))" python3 -m ion_vllm.bench.cli e2e --serve \
-    --colocate --workload "${E2E_WORKLOADS:-seed,skewed,decode-heavy,shared-prefix,long}" \
-    --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" --repeats 2 --kv-cache-gib "${E2E_KV_GIB:-30}" \
-    --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
-fi
-[ -n "$kval_pid" ] && wait "$kval_pid"
-# kvtier_step NAME LIMIT_S REPEATS CONFIGS ARGS: one kv_tier_bench.py run into OUT/NAME; when
-# cut short (step limit), the results of the repeats that finished (a second or two, so it
-# runs outside the deadline's margin)
-kvtier_step() {
-  local name=$1 secs=$2 reps=$3 configs=$4 args=$5
-  # shellcheck disable=SC2086  # ARGS is a list of flags
-  step "$name" "$secs" python3 scripts/kv_tier_bench.py "$model" --colocate \
-    --repeats "$reps" --configs "$configs" $args --out "$out/$name"
-  if ! grep -q "$(printf '%-8s' "$name") rc=0" "$out/steps.txt" \
-      && [ -s "$out/$name/repeats.jsonl" ]; then
-    timeout 30 python3 scripts/kv_tier_bench.py --from-repeats "$out/$name" \
-      > "$out/$name-rebuild.log" 2>&1
-    mark "$name" "rebuilt from repeats.jsonl: rc=$?"
-  fi
-}
-if want kvtier; then
-  kvtier_step kvtier "${KVTIER_S:-720}" "${KVTIER_REPEATS:-3}" \
-    "${KVTIER_CONFIGS:-ion,ion-defer,native}" "${KVTIER_ARGS:-}"
-fi
-# kvtier2: a second kv_tier_bench.py run after the first (its own engines), for a lease
-# that A/Bs more configs than fit the GPU at once
-if want kvtier2; then
-  kvtier_step kvtier2 "${KVTIER2_S:-720}" "${KVTIER2_REPEATS:-3}" \
-    "${KVTIER2_CONFIGS:-ion,native-default}" "${KVTIER2_ARGS:-}"
-fi
-if want share; then
-  step share "${SHARE_S:-420}" python3 scripts/attention_share.py --model "$model" --colocate \
-    --backends "${SHARE_BACKENDS:-ION,FLASH_ATTN}" --kv-cache-gib "${SHARE_KV_GIB:-30}" \
-    ${SHARE_ARGS:-} --out "$out/share"
-fi
-if want agree; then
-  for mode in ${AGREE_MODES:-default FULL}; do  # step names: agree-default, agree-FULL
-    extra=; [ "$mode" = default ] || extra="--ion-cudagraph-mode $mode"
-    step "agree-$mode" 420 python3 scripts/e2e_agreement.py --model "$tiny" \
-      --out "$out/agree-$mode" $extra ${AGREE_ARGS:-}
-  done
 fi
 mark all done

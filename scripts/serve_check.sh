@@ -2,7 +2,7 @@
 # `vllm serve MODEL --attention-backend ION` starts and answers /v1/completions.
 # Usage (on the GPU host, project installed): scripts/serve_check.sh [MODEL_DIR] [OUT_DIR]
 set -uo pipefail
-model=${1:-/tmp/ion-demo}
+model=${1:-bench/demo-model}
 out=${2:-bench/results/serve-check}
 port=${ION_SERVE_PORT:-8123}
 mkdir -p "$out"

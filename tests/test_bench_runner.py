@@ -1,8 +1,11 @@
-"""The kernel-suite driver's bookkeeping on CPU: CUDA timing calls are replaced by
-host-clock stand-ins and the backends by CPU attention over each layout, so the
-skip/error handling, the ION-vs-FA3 cross-check and the derived metrics are exercised."""
+"""The kernel benchmark on the CPU: each backend's cache layout holds the same logical
+K/V; the ION backends drive the ``cute_kernels`` API as documented (a plain-PyTorch stand-in
+here, so neither a GPU nor the kernels are needed); the suite driver's timing (CUDA events
+replaced by the host clock), interleaving, correctness check and failure handling."""
 
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +14,202 @@ torch = pytest.importorskip("torch")
 from ion_vllm.bench import kernel_runner as kr  # noqa: E402
 from ion_vllm.bench import kernel_suite as ks  # noqa: E402
 
+P = ks.PAGE
+CASE = ks.Case("layout", (1, 3, 70), (70, 20, 130), hq=4, hkv=2, d=64)
+CASES = [ks.Case("tiny-a", (1, 1, 4), (40, 90, 70), hq=4, hkv=2, d=64),
+         ks.Case("tiny-b", (1, 65), (130, 65), hq=8, hkv=2, d=64, qkv_layout="fused")]
+L2 = 128 * 1024  # a pretend L2 small enough that the tiny cases rotate over several copies
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny CPU ops: an intra-op thread pool only adds wake-up latency (200x on a busy
+    2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def attend(q, kc, vc, qsl, seq_lens, bt, scale, hnd=True):
+    """fp32 causal paged GQA attention, written independently of the kernels' reference."""
+    page = kc.shape[2] if hnd else kc.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    g = q.shape[1] // kc.shape[1 if hnd else 2]
+    for b in range(len(seq_lens)):
+        s0, s1, kv = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+        t = torch.arange(kv)
+        pg, off = bt[b, t // page].long(), t % page
+        k = (kc[pg, :, off] if hnd else kc[pg, off]).float().repeat_interleave(g, 1)
+        v = (vc[pg, :, off] if hnd else vc[pg, off]).float().repeat_interleave(g, 1)
+        s = torch.einsum("ihd,lhd->hil", q[s0:s1].float(), k) * scale
+        qpos = kv - (s1 - s0) + torch.arange(s1 - s0)
+        s = s.masked_fill(t[None, None] > qpos[None, :, None], float("-inf"))
+        out[s0:s1] = torch.einsum("hil,lhd->ihd", s.softmax(-1), v)
+    return out
+
+
+class FakeKernels:
+    """The ``cute_kernels`` API of the default path, in plain PyTorch; records its calls."""
+    PAGE_SIZE = 64
+
+    def __init__(self, broken=False):
+        self.calls, self.plans, self.broken = [], [], broken
+
+    def make_device_plan(self, qsl, seq_lens, *, num_kv_heads, group_size, head_dim, device,
+                         fresh_kv=False, tile_m="auto", num_ctas=None):
+        self.plans.append(dict(qsl=list(qsl), seq_lens=list(seq_lens), hkv=num_kv_heads,
+                               group=group_size, d=head_dim, fresh_kv=fresh_kv, tile_m=tile_m))
+        return SimpleNamespace(fresh_kv=fresh_kv)
+
+    def kv_append(self, key, value, kc, vc, slots):
+        self.calls.append("append")
+        kc[slots // P, :, slots % P] = key
+        vc[slots // P, :, slots % P] = value
+
+    def ion_attention(self, q, kc, vc, out, qsl, seq_lens, bt, scale, plan=None, *,
+                      key=None, value=None):
+        self.calls.append("fused" if key is not None else "attn")
+        assert plan is not None and plan.fresh_kv == (key is not None)
+        if key is not None:  # fused writeback: the new rows at seq_len - q_len .. seq_len
+            for b in range(len(seq_lens)):
+                s0, s1, kv = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+                t = torch.arange(kv - (s1 - s0), kv)
+                kc[bt[b, t // P].long(), :, t % P] = key[s0:s1]
+                vc[bt[b, t // P].long(), :, t % P] = value[s0:s1]
+        if not self.broken:  # broken: never writes out (it stays NaN-poisoned)
+            out.copy_(attend(q, kc, vc, qsl, seq_lens, bt, scale).to(out.dtype))
+        return out
+
+
+# --------------------------------------------------------------------------- layouts
+
+def test_logical_data_deterministic_per_rotation():
+    a, b, c = (kr.logical_qkv(CASE, r, "cpu") for r in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[1], c[1])
+    assert a[0].shape == (74, 4, 64) and a[1].shape == (220, 2, 64)
+    assert a[0].dtype == torch.bfloat16 and 0.8 < a[1].float().std() < 1.2
+
+
+def test_page_assignment_is_a_shuffled_permutation():
+    bt, tp, to, n = kr.page_assignment(CASE, 16, 0)
+    used = [int(bt[b, j]) for b, kv in enumerate(CASE.kv_lens) for j in range(-(-kv // 16))]
+    assert sorted(used) == list(range(n)) and used != sorted(used)
+    assert tp.shape == to.shape == (CASE.total_kv,)
+
+
+@pytest.mark.parametrize("build,page,hnd", [(kr.ion_cache, P, True), (kr.fa_cache, 16, False),
+                                            (kr.triton_cache, 16, False)])
+def test_every_layout_holds_the_same_logical_kv(build, page, hnd):
+    _, k_log, v_log = kr.logical_qkv(CASE, 1, "cpu")
+    q, kc, vc, bt = build(CASE, 1, "cpu")
+    assert torch.equal(q, kr.logical_qkv(CASE, 1, "cpu")[0])
+    t0 = 0
+    for b, kv in enumerate(CASE.kv_lens):
+        t = torch.arange(kv)
+        pg, off = bt[b, t // page].long(), t % page
+        for cache, want in ((kc, k_log), (vc, v_log)):
+            got = cache[pg, :, off] if hnd else cache[pg, off]
+            assert torch.equal(got, want[t0:t0 + kv])
+        t0 += kv
+    if build is kr.ion_cache:
+        assert kc.shape[1:] == (2, P, 64) and kc.stride(2) == 64  # HND pages, rows contiguous
+
+
+def test_ion_layout_matches_the_kernels_reference():
+    """The ION cache + block table, read by cute_kernels' fp32 reference, give the same
+    attention as the independent one above (so every backend computes the same thing)."""
+    ref = pytest.importorskip("cute_kernels.reference").reference_paged_attention
+    q, kc, vc, bt = kr.ion_cache(CASE, 0, "cpu")
+    qsl, sl = kr._meta(CASE, "cpu")
+    torch.testing.assert_close(ref(q, kc, vc, qsl, sl, bt, 0.125),
+                               attend(q, kc, vc, qsl, sl, bt, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def test_new_token_rows_are_the_cache_rows_at_their_slots():
+    q, kc, vc, bt = kr.ion_cache(CASE, 1, "cpu")
+    key, value, slots = kr.new_token_rows(CASE, 1, "cpu")
+    assert key.shape == (CASE.total_q, 2, 64) and slots.dtype == torch.int64
+    assert torch.equal(kc[slots // P, :, slots % P], key)
+    assert torch.equal(vc[slots // P, :, slots % P], value)
+    assert int(slots[0]) == int(bt[0, 69 // P]) * P + 69 % P  # request 0's last token
+
+
+def test_fused_qkv_layout_gives_strided_views_of_the_same_values():
+    fused = ks.Case("layout", CASE.q_lens, CASE.kv_lens, hq=4, hkv=2, d=64, qkv_layout="fused")
+    row = (4 + 2 * 2) * 64
+    for build in (kr.ion_cache, kr.fa_cache, kr.triton_cache):
+        q_s, q_f = build(CASE, 0, "cpu")[0], build(fused, 0, "cpu")[0]
+        assert torch.equal(q_s, q_f) and q_f.stride() == (row, 64, 1)
+    for sep, fus, col in zip(kr.new_token_rows(CASE, 0, "cpu")[:2],
+                             kr.new_token_rows(fused, 0, "cpu")[:2], (4, 6)):
+        assert torch.equal(sep, fus) and fus.stride() == (row, 64, 1)
+        assert fus.data_ptr() - fus.untyped_storage().data_ptr() == col * 64 * fus.element_size()
+
+
+# --------------------------------------------------------------------------- ION backends
+
+@pytest.mark.parametrize("mode,calls", [("fused", ["fused"]), ("attn", ["attn"]),
+                                        ("append", ["append", "attn"])])
+def test_ion_backends_call_the_documented_api(mode, calls):
+    k = FakeKernels()
+    prep = kr.ion_backend(mode, kernels=k)
+    shared = {}
+    preps = [prep(CASES[1], r, "cpu", shared) for r in range(2)]
+    assert len(k.plans) == 1  # one plan per case, outside the timed calls
+    assert k.plans[0] == dict(qsl=[0, 1, 66], seq_lens=[130, 65], hkv=2, group=4, d=64,
+                              fresh_kv=mode == "fused", tile_m="auto")
+    q, kc, vc, bt = kr.ion_cache(CASES[1], 0, "cpu")
+    preps[0].out.fill_(float("nan"))
+    preps[0].call()
+    assert k.calls == calls
+    qsl, sl = kr._meta(CASES[1], "cpu")
+    assert kr.rel_err(preps[0].out, attend(q, kc, vc, qsl, sl, bt, 64 ** -0.5)) < 1e-2
+
+
+def test_ion_backend_plan_hook_and_bad_mode():
+    seen = []
+    prep = kr.ion_backend("fused", kernels=FakeKernels(),
+                          plan=lambda k, case, dev, fresh: seen.append((case.name, fresh))
+                          or SimpleNamespace(fresh_kv=fresh))
+    prep(CASES[0], 0, "cpu", {}).call()
+    assert seen == [("tiny-a", True)]
+    with pytest.raises(ValueError):
+        kr.ion_backend("pingpong")
+
+
+def test_registry_holds_the_default_backends_only():
+    assert list(kr.BACKENDS) == ["ion", "ion-attn", "ion-append", "fa3", "fa3-layer", "fa4",
+                                 "triton"]
+
+
+def test_import_package_loads_a_checkout_beside_the_installed_one(tmp_path, monkeypatch):
+    """Another checkout's package, loaded under an alias while a package of the same name
+    is installed: its lazy exports (absolute imports of its own name, as cute_kernels'
+    __getattr__) and its call-time relative imports resolve inside it."""
+    pkg = tmp_path / "tree" / "ck_under_test"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "__all__ = ['ion_attention']\n"
+        "def __getattr__(name):\n"
+        "    import importlib\n"
+        "    return importlib.import_module('ck_under_test.attention').ion_attention\n")
+    (pkg / "attention.py").write_text(
+        "def ion_attention():\n    from .kernel import WHO\n    return WHO\n")
+    (pkg / "kernel.py").write_text("WHO = 'tag'\n")
+    installed = SimpleNamespace(__name__="ck_under_test")
+    monkeypatch.setitem(sys.modules, "ck_under_test", installed)
+    monkeypatch.setitem(sys.modules, "ck_under_test.kernel", SimpleNamespace(WHO="installed"))
+    mod = kr.import_package(str(pkg), "tag_ck_under_test")
+    assert mod.ion_attention() == "tag" and mod.attention.__name__ == "tag_ck_under_test.attention"
+    assert sys.modules["ck_under_test"] is installed  # the installed one is left in place
+    assert sys.modules["ck_under_test.kernel"].WHO == "installed"
+    for k in [k for k in sys.modules if k.startswith("tag_ck_under_test")]:
+        del sys.modules[k]
+
+
+# --------------------------------------------------------------------------- driver
 
 class _Event:
     def __init__(self, enable_timing=True):
@@ -26,434 +225,129 @@ class _Event:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for name in ("synchronize", "_sleep", "set_device", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(kr, "_CYCLES_PER_US", 1000.0)
 
 
-def _attend(case, q, kc, vc, bt, page, hnd):
-    """fp32 causal paged attention written independently of the reference."""
+def _fa3(case, rot, device, shared):
+    q, kc, vc, bt = kr.fa_cache(case, rot, device)
+    qsl, sl = kr._meta(case, device)
     out = torch.empty_like(q)
-    g = case.hq // case.hkv
-    qsl = case.query_start_loc()
-    for b, (ql, kv) in enumerate(zip(case.q_lens, case.kv_lens)):
-        t = torch.arange(kv)
-        pg, off = bt[b, t // page].long(), t % page
-        k = kc[pg, :, off] if hnd else kc[pg, off]
-        v = vc[pg, :, off] if hnd else vc[pg, off]
-        k = k.float().repeat_interleave(g, 1)
-        v = v.float().repeat_interleave(g, 1)
-        qq = q[qsl[b]:qsl[b + 1]].float()
-        s = torch.einsum("ihd,lhd->hil", qq, k) * case.d ** -0.5
-        qpos = kv - ql + torch.arange(ql)
-        s = s.masked_fill(t[None, None] > qpos[None, :, None], float("-inf"))
-        out[qsl[b]:qsl[b + 1]] = torch.einsum("hil,lhd->ihd", s.softmax(-1), v).to(q.dtype)
-    return out
+    return kr.Prepared(lambda: out.copy_(attend(q, kc, vc, qsl, sl, bt, case.d ** -0.5,
+                                                hnd=False)), out)
 
 
-def _fake_backends(monkeypatch, calls):
-    def ion(case, rot, device, shared):
-        calls.append(("ion", case.name, rot))
-        q, k, v, bt = kr.ion_cache(case, rot, device)
-        out = torch.empty_like(q)
-        return kr.Prepared(lambda: out.copy_(_attend(case, q, k, v, bt, case.ion_page, True)),
-                           out)
+@pytest.fixture
+def backends(monkeypatch, fake_cuda):
+    """ion on the stand-in kernels, fa3 on the CPU, fa4 unavailable, triton failing, and a
+    registered extra backend ("tag") as a script adds one; every call is logged."""
+    order, probes = [], []
 
-    def fa3(case, rot, device, shared):
-        calls.append(("fa3", case.name, rot))
-        q, k, v, bt = kr.fa_cache(case, rot, device)
-        out = torch.empty_like(q)
-        return kr.Prepared(lambda: out.copy_(_attend(case, q, k, v, bt, case.fa_page, False)),
-                           out)
+    def logged(name, prep):
+        def wrapped(case, rot, device, shared):
+            probes.append((name, case.name, rot))
+            p = prep(case, rot, device, shared)
+            return kr.Prepared(lambda: (order.append(name), p.call())[1], p.out)
+        return wrapped
 
     def fa4(case, rot, device, shared):
-        calls.append(("fa4", case.name, rot))
+        probes.append(("fa4", case.name, rot))
         raise kr.BackendUnavailable("FA4 unsupported: test")
 
     def triton(case, rot, device, shared):
-        calls.append(("triton", case.name, rot))
-        q, k, v, bt = kr.triton_cache(case, rot, device)
-        out = torch.zeros_like(q)     # wrong on purpose: a broken backend must show up
+        out = torch.zeros(case.total_q, case.hq, case.d)
+        return kr.Prepared(lambda: (_ for _ in ()).throw(RuntimeError("kernel exploded")), out)
 
-        def call():
-            raise RuntimeError("kernel exploded")
-        return kr.Prepared(call, out)
-
-    monkeypatch.setitem(kr.PREPARE, "ion", ion)
-    monkeypatch.setitem(kr.PREPARE, "fa3", fa3)
-    monkeypatch.setitem(kr.PREPARE, "fa4", fa4)
-    monkeypatch.setitem(kr.PREPARE, "triton", triton)
+    monkeypatch.setitem(kr.BACKENDS, "ion", logged("ion", kr.ion_backend("fused", FakeKernels())))
+    monkeypatch.setitem(kr.BACKENDS, "tag", logged("tag", kr.ion_backend("attn", FakeKernels())))
+    monkeypatch.setitem(kr.BACKENDS, "wrong", kr.ion_backend("attn", FakeKernels(broken=True)))
+    monkeypatch.setitem(kr.BACKENDS, "fa3", logged("fa3", _fa3))
+    monkeypatch.setitem(kr.BACKENDS, "fa4", fa4)
+    monkeypatch.setitem(kr.BACKENDS, "triton", triton)
+    return SimpleNamespace(order=order, probes=probes)
 
 
-L2 = 128 * 1024  # tiny pretend L2 so that the tiny cases rotate over 3 copies
-CASES = [ks.Case("tiny-a", (1, 1, 4), (40, 90, 70), hq=4, hkv=2, d=64),
-         ks.Case("tiny-b", (1,), (130,), hq=8, hkv=2, d=64, fa_page=64)]
+def _run(cases, names, **kw):
+    kw.setdefault("log", lambda s: None)
+    return kr.run_kernel_suite(cases, names, iters=4, warmup=1, device="cpu", l2_bytes=L2,
+                               reference=lambda *a: attend(*a), **kw)
 
 
-def test_suite_driver_records(fake_cuda, monkeypatch):
-    calls = []
-    _fake_backends(monkeypatch, calls)
-    snapshots = []
-    lines = []
-    recs = kr.run_kernel_suite(CASES, ["ion", "fa3", "fa4", "triton"], iters=5, warmup=1,
-                               device="cpu", ceilings={"copy_gbps": 100.0, "gemm_tflops": 1.0},
-                               suite_label="t", log=lines.append, l2_bytes=L2,
-                               on_record=lambda rs: snapshots.append(len(rs)))
+@pytest.mark.parametrize("timing", ["interleaved", "queued"])
+def test_suite_records_statuses_and_metrics(backends, timing):
+    snaps = []
+    recs = _run(CASES, ["ion", "tag", "fa3", "fa4", "triton", "wrong"], timing=timing,
+                ceilings={"copy_gbps": 100.0, "gemm_tflops": 1.0}, suite_label="t",
+                on_record=lambda rs: snaps.append(len(rs)))
     assert [(r["case"], r["backend"], r["status"]) for r in recs] == [
-        ("tiny-a", "ion", "ok"), ("tiny-a", "fa3", "ok"), ("tiny-a", "fa4", "skipped"),
-        ("tiny-a", "triton", "error"),
-        ("tiny-b", "ion", "ok"), ("tiny-b", "fa3", "ok"), ("tiny-b", "fa4", "skipped"),
-        ("tiny-b", "triton", "error")]
-    assert snapshots == list(range(1, 9))
-    # an unavailable backend is probed once, not once per case
-    assert [c for c in calls if c[0] == "fa4"] == [("fa4", "tiny-a", 0)]
-    # KV rotations: tiny cases need many copies to exceed 2x L2
+        (c.name, b, s) for c in CASES for b, s in (("ion", "ok"), ("tag", "ok"), ("fa3", "ok"),
+                                                   ("fa4", "skipped"), ("triton", "error"),
+                                                   ("wrong", "wrong"))]
+    assert snaps == list(range(1, 13))
+    assert [p for p in backends.probes if p[0] == "fa4"] == [("fa4", "tiny-a", 0)]  # once
     n_rot = ks.rotations(CASES[0], L2)
-    assert n_rot == 3
-    assert [c[2] for c in calls if c[:2] == ("ion", "tiny-a")] == list(range(n_rot))
+    assert n_rot >= 3 and [p[2] for p in backends.probes if p[:2] == ("ion", "tiny-a")] == \
+        list(range(n_rot))
     for r in recs:
-        assert r["suite"] == "kernel" and r["kernel_suite"] == "t"
-        assert r["bytes"] == ks.min_bytes(next(c for c in CASES if c.name == r["case"]))
+        assert r["kernel_suite"] == "t" and r["shape"]["name"] == r["case"]
+        if r["status"] in ("ok", "wrong"):
+            assert r["iters"] == 4 and len(r["iter_us"]) == 4 and r["timing"] == timing
+            assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
+            assert r["frac_copy_bw"] == pytest.approx(r["bytes"] / r["median_us"] / 1e5)
     ok = [r for r in recs if r["status"] == "ok"]
-    for r in ok:
-        assert r["iters"] == 5 and r["rotations"] >= 2
-        assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
-        sec = r["median_us"] * 1e-6
-        assert r["achieved_gbps"] == pytest.approx(r["bytes"] / sec / 1e9)
-        assert r["frac_copy_bw"] == pytest.approx(r["achieved_gbps"] / 100.0)
-        assert r["frac_gemm"] == pytest.approx(r["flops"] / sec / 1e12)
-    # ION ran before FA3: its cross-check is back-filled once FA3 finishes
-    for r in ok:
-        if r["backend"] == "ion":
-            assert r["rel_err_vs_fa3"] < 1e-2
-    assert "kernel exploded" in recs[3]["error"]
-    assert any("skipped" in line for line in lines)
-    assert any("rel_err vs fa3" in line for line in lines)
+    assert all(r["rel_err"] < 1e-2 for r in ok)
+    assert all(r["rel_err"] == float("inf") for r in recs if r["backend"] == "wrong")
+    assert "kernel exploded" in next(r for r in recs if r["backend"] == "triton")["error"]
+    if timing == "interleaved":
+        assert all(r["interleaved_with"] == ["ion", "tag", "fa3", "wrong"] for r in ok)
+        timed = backends.order[-3 * 4:]  # the last timed calls alternate call by call
+        assert timed == ["ion", "tag", "fa3"] * 4
 
 
-def test_fa3_first_cross_checks_in_place(fake_cuda, monkeypatch):
-    _fake_backends(monkeypatch, [])
-    recs = kr.run_kernel_suite(CASES[:1], ["fa3", "ion"], iters=3, warmup=0, device="cpu",
-                               log=lambda s: None, l2_bytes=L2)
-    assert recs[1]["backend"] == "ion" and recs[1]["rel_err_vs_fa3"] < 1e-2
-    assert recs[0]["frac_copy_bw"] is None  # no ceilings measured
-
-
-def test_time_calls_cycles_through_rotations(fake_cuda):
-    seen = []
-    calls = [lambda i=i: seen.append(i) for i in range(3)]
-    ts = kr.time_calls(calls, iters=7, warmup=2)
-    assert len(ts) == 7 and all(t >= 0 for t in ts)
-    # warm-up (2), host-cost probe (min(10, iters) = 7), then 7 timed calls
-    assert seen[-7:] == [0, 1, 2, 0, 1, 2, 0]
-
-
-def test_synced_timing_syncs_each_call_and_is_recorded(fake_cuda, monkeypatch):
-    """--timing synced: one host call per synchronize (launch latency included), and the
-    record says which timing produced it."""
-    log = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: log.append("sync"))
-    ts = kr.time_calls_synced([lambda: log.append("call")], iters=4, warmup=2)
-    assert len(ts) == 4 and all(t >= 0 for t in ts)
-    timed = log[log.index("sync") + 1:]  # after the warm-up sync
-    assert timed == ["call", "sync"] * 4
-    calls = []
-    _fake_backends(monkeypatch, calls)
-    recs = kr.run_kernel_suite(CASES[:1], ["fa3"], iters=3, warmup=0, device="cpu",
-                               l2_bytes=L2, timing="synced", log=lambda *_: None)
-    assert recs[0]["status"] == "ok" and recs[0]["timing"] == "synced"
-
-
-def test_interleave_and_split_are_inverse():
-    """interleave_calls alternates backends call by call (a backend with fewer rotations
-    wraps around), and split_interleaved gives each backend back its own times in order."""
-    calls = {"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]}
-    assert kr.interleave_calls(calls) == ["a0", "b0", "c0", "a1", "b0", "c1",
-                                          "a2", "b0", "c0"]
-    ts = list(range(12))
-    assert kr.split_interleaved(ts, ["a", "b", "c"]) == {
-        "a": [0, 3, 6, 9], "b": [1, 4, 7, 10], "c": [2, 5, 8, 11]}
-
-
-def test_interleaved_timing_runs_backends_call_by_call(fake_cuda, monkeypatch):
-    """--timing interleaved: every backend of a case is prepared first, then timed in one
-    queued stream that alternates backends; each record holds its own `iters` times, says
-    which backends it was interleaved with, and keeps the FA3 cross-check. A backend that
-    cannot be prepared gets its own error record and does not stop the others."""
-    calls = []
-    _fake_backends(monkeypatch, calls)
-    order = []
-    for be in ("ion", "fa3"):
-        prep = kr.PREPARE[be]
-
-        def wrapped(case, rot, device, shared, prep=prep, be=be):
-            p = prep(case, rot, device, shared)
-            return kr.Prepared(lambda: (order.append(be), p.call())[1], p.out)
-        monkeypatch.setitem(kr.PREPARE, be, wrapped)
-    recs = kr.run_kernel_suite(CASES[:1], ["ion", "triton", "fa3"], iters=4, warmup=1,
-                               device="cpu", log=lambda *_: None, l2_bytes=L2,
-                               timing="interleaved")
-    assert [(r["backend"], r["status"]) for r in recs] == [
-        ("ion", "ok"), ("triton", "error"), ("fa3", "ok")]
-    for r in (recs[0], recs[2]):
-        assert r["timing"] == "interleaved" and r["iters"] == 4 and len(r["iter_us"]) == 4
-        assert r["interleaved_with"] == ["ion", "fa3"]
-    assert recs[0]["rel_err_vs_fa3"] < 1e-2
-    assert "kernel exploded" in recs[1]["error"]
-    # after each backend's first (preparation) call: warm-up, probe and timed calls alternate
-    timed = order[2:]
-    assert timed[-8:] == ["ion", "fa3"] * 4
-
-
-def test_interleaved_timing_falls_back_to_one_backend_at_a_time(fake_cuda, monkeypatch):
-    """A backend that breaks during the joint run: the others are timed alone ("queued"),
-    and the broken one gets an error record."""
-    _fake_backends(monkeypatch, [])
+def test_interleaved_run_that_breaks_times_each_backend_alone(backends, monkeypatch):
     n = {"calls": 0}
-    prep_ion = kr.PREPARE["ion"]
+    good = kr.BACKENDS["tag"]
 
     def flaky(case, rot, device, shared):
-        p = prep_ion(case, rot, device, shared)
+        p = good(case, rot, device, shared)
 
         def call():
             n["calls"] += 1
-            if n["calls"] > 3:
+            if n["calls"] > 3:  # fine while prepared and checked, fails once timed
                 raise RuntimeError("flaky kernel")
             return p.call()
         return kr.Prepared(call, p.out)
-    monkeypatch.setitem(kr.PREPARE, "ion", flaky)
-    recs = kr.run_kernel_suite(CASES[:1], ["ion", "fa3"], iters=3, warmup=0, device="cpu",
-                               log=lambda *_: None, l2_bytes=L2, timing="interleaved")
-    assert [(r["backend"], r["status"]) for r in recs] == [("ion", "error"), ("fa3", "ok")]
-    assert "flaky kernel" in recs[0]["error"]
-    assert recs[1]["timing"] == "queued" and recs[1]["iters"] == 3
+    monkeypatch.setitem(kr.BACKENDS, "flaky", flaky)
+    lines = []
+    recs = _run(CASES[:1], ["flaky", "fa3"], log=lines.append)
+    assert [(r["backend"], r["status"]) for r in recs] == [("flaky", "error"), ("fa3", "ok")]
+    assert recs[1]["timing"] == "queued" and any("timing each backend alone" in x for x in lines)
 
 
-def test_unknown_timing_is_refused():
+def test_driver_refuses_unknown_timing_and_backend():
     with pytest.raises(ValueError, match="interleaved"):
-        kr.run_kernel_suite([], ["fa3"], timing="sometimes", device="cpu")
+        kr.run_kernel_suite([], ["fa3"], timing="synced", device="cpu")
+    with pytest.raises(KeyError, match="ion-auto"):
+        kr.run_kernel_suite([], ["ion-auto"], device="cpu")
 
 
-def test_ion_unpacked_backend_plans_unpacked(monkeypatch):
-    """`ion-unpacked` runs ION on an unpacked_prefill plan; `ion` keeps the default plan."""
+def test_time_calls_and_interleaving(fake_cuda):
     seen = []
-
-    def fake_plan(case, device, **opts):
-        seen.append(opts)
-        return object()
-
-    monkeypatch.setattr(kr, "_ion_plan", fake_plan)
-    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
-    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
-    assert "ion-unpacked" in kr.BACKENDS and "ion-unpacked" in kr.PREPARE
-    for name in ("ion", "ion-unpacked", "ion-m128", "ion-m128-unpacked"):
-        assert name in kr.BACKENDS
-        kr.PREPARE[name](CASES[0], 0, "cpu", {})
-    assert seen == [{}, {"unpacked_prefill": True}, {"tile_m": 128},
-                    {"tile_m": 128, "unpacked_prefill": True}]
+    ts = kr.time_calls([lambda i=i: seen.append(i) for i in range(3)], iters=7, warmup=2)
+    assert len(ts) == 7 and all(t >= 0 for t in ts)
+    assert seen[-7:] == [0, 1, 2, 0, 1, 2, 0]  # after warm-up and the host-cost probe
+    calls = {"a": ["a0", "a1", "a2"], "b": ["b0"], "c": ["c0", "c1"]}
+    assert kr.interleave_calls(calls) == ["a0", "b0", "c0", "a1", "b0", "c1", "a2", "b0", "c0"]
+    got = kr.time_interleaved({"a": [lambda: seen.append("a")], "b": [lambda: seen.append("b")]},
+                              iters=3, warmup=0)
+    assert set(got) == {"a", "b"} and all(len(v) == 3 for v in got.values())
+    assert seen[-6:] == ["a", "b"] * 3
 
 
-def test_ion_auto_backend_plans_like_the_vllm_backend(monkeypatch):
-    """`ion-auto` plans what the vLLM backend plans by default: unpacked prefill tiles and
-    planner.choose_tile_m's tile size with 192-row tiles allowed, as the backend's
-    ION_PREFILL_TILE_M=auto (192 for a lone 8192 prefill, 64 once decodes dominate)."""
-    from ion_vllm.bench.kernel_suite import Case
-
-    seen = []
-    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **opts: seen.append(opts))
-    monkeypatch.setattr(kr, "ion_cache", lambda case, rot, device: (torch.zeros(1, 4, 64),) * 4)
-    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
-    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
-    mixed = Case("m", q_lens=(1,) * 32 + (2048,), kv_lens=(8192,) * 32 + (2048,))
-    for case in (prefill, mixed):
-        kr.PREPARE["ion-auto"](case, 0, "cpu", {})
-    auto = {"unpacked_prefill": True, "row_combine": True, "lane_combine": True}
-    assert seen == [dict(auto, tile_m=192), dict(auto, tile_m=64)]
-    # the combine ion-auto plans is the backend's default one (ION_LANE_COMBINE and
-    # ION_ROW_COMBINE unset: the split-parallel combine)
-    import ion_vllm.backend as backend_mod
-    monkeypatch.delenv(backend_mod.ROW_COMBINE_ENV, raising=False)
-    monkeypatch.delenv(backend_mod.LANE_COMBINE_ENV, raising=False)
-    assert backend_mod.row_combine() is True and backend_mod.lane_combine() is True
-    seen.clear()
-    kr.PREPARE["ion-auto-rc"](mixed, 0, "cpu", {})
-    kr.PREPARE["ion-auto-gc"](mixed, 0, "cpu", {})
-    assert [(o["lane_combine"], o["row_combine"]) for o in seen] == [(False, True),
-                                                                      (False, False)]
-    assert all(o["tile_m"] == 64 and o["unpacked_prefill"] for o in seen)
-    # ion-auto-lr: the same plan options on the lazy-rescaling kernels
-    seen.clear()
-    kr.PREPARE["ion-auto-lr"](prefill, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=192, lazy_rescale=True)]
-    assert "ion-auto-lr" in kr.BACKENDS
-    # ion-auto-pdl: the same plan options, combine by programmatic dependent launch
-    seen.clear()
-    kr.PREPARE["ion-auto-pdl"](mixed, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=64, pdl_combine=True)]
-    assert "ion-auto-pdl" in kr.BACKENDS
-    # ion-auto-lc: the split-parallel combine, now the default: the same as ion-auto
-    seen.clear()
-    kr.PREPARE["ion-auto-lc"](mixed, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=64)]
-    assert "ion-auto-lc" in kr.BACKENDS
-    # ion-auto-kp: page pairs on the 128-row tiles only (a mixed step keeps ion-auto's plan)
-    seen.clear()
-    kr.PREPARE["ion-auto-kp"](prefill, 0, "cpu", {})
-    kr.PREPARE["ion-auto-kp"](mixed, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=128, kv_pair=True), dict(auto, tile_m=64, kv_pair=False)]
-    assert "ion-auto-kp" in kr.BACKENDS
-    # ion-auto-s2 / ion-auto-fused-s2: two K/V stages on the 128-row tiles only
-    seen.clear()
-    kr.PREPARE["ion-auto-s2"](prefill, 0, "cpu", {})
-    kr.PREPARE["ion-auto-s2"](mixed, 0, "cpu", {})
-    assert seen == [dict(auto, tile_m=128, kv_stages=2), dict(auto, tile_m=64, kv_stages=None)]
-    assert "ion-auto-s2" in kr.BACKENDS and "ion-auto-fused-s2" in kr.BACKENDS
-
-
-def test_ion_auto_p128_runs_the_auto_path_over_128_token_pages(monkeypatch):
-    """`ion-auto-p128`: the backend's default plan options over a cache of 128-token pages
-    (the plan, the cache and the call all see page 128; the call admits it explicitly)."""
-    from ion_vllm.bench.kernel_suite import Case
-
-    seen, calls = [], []
-    monkeypatch.setattr(kr, "_ion_plan",
-                        lambda case, device, **opts: seen.append((case.ion_page, opts)) or "plan")
-    monkeypatch.setattr(kr, "ion_cache",
-                        lambda case, rot, device: calls.append(case.ion_page)
-                        or (torch.zeros(1, 4, 64),) * 4)
-    monkeypatch.setattr(kr, "_common_meta", lambda case, device: (None, None))
-    import cute_kernels
-    got = {}
-    monkeypatch.setattr(cute_kernels, "ion_attention",
-                        lambda *a, **kw: got.update(kw))
-    prefill = Case("p", q_lens=(8192,), kv_lens=(8192,))
-    prep = kr.PREPARE["ion-auto-p128"](prefill, 0, "cpu", {})
-    prep.call()
-    assert seen == [(128, {"unpacked_prefill": True, "tile_m": 128, "row_combine": True,
-                           "lane_combine": True})]
-    assert calls == [128] and got == {"plan": "plan", "experimental_pages": True}
-    got.clear()
-    kr.PREPARE["ion-auto"](prefill, 0, "cpu", {}).call()
-    assert got == {"plan": "plan", "experimental_pages": False}
-
-
-def test_new_token_rows_are_the_cache_rows_at_their_slots():
-    """`ion-auto-append` / `ion-auto-fused` write the step's new K/V: each request's last
-    q_len logical tokens, to the slots where `ion_cache` put those tokens (so rewriting them
-    leaves the cache as it was)."""
-    from ion_vllm.bench.kernel_suite import Case
-
-    case = Case("t", q_lens=(1, 70, 2, 3), kv_lens=(130, 70, 5, 64), hq=4, hkv=2, d=64)
-    q, k, v, bt = kr.ion_cache(case, 1, "cpu")
-    key, value, slots = kr.new_token_rows(case, 1, "cpu")
-    assert key.shape == (sum(case.q_lens), 2, 64) == value.shape and slots.dtype == torch.int64
-    P = case.ion_page
-    page, off = slots // P, slots % P
-    assert torch.equal(k[page, :, off], key) and torch.equal(v[page, :, off], value)
-    # request-major, last q_len tokens of each request: slots of request 0 are its token 129
-    assert int(slots[0]) == int(bt[0, 129 // P]) * P + 129 % P
-    assert not torch.equal(key[0], key[1])  # fresh values, never zeros
-
-
-def test_append_and_fused_backends(monkeypatch):
-    """`ion-auto-append` times kv_append of the new rows before the default attention;
-    `ion-auto-fused` plans fresh_kv with ion-auto's options and passes key / value."""
-    import cute_kernels
-
-    from ion_vllm.bench.kernel_suite import Case
-
-    plans, calls = [], []
-    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **o: plans.append(o) or "plan")
-    monkeypatch.setattr(cute_kernels, "kv_append",
-                        lambda *a: calls.append(("append", a[4].tolist())))
-    monkeypatch.setattr(cute_kernels, "ion_attention",
-                        lambda *a, **kw: calls.append(("attn", sorted(kw))))
-    case = Case("m", q_lens=(1, 1, 200), kv_lens=(300, 64, 260), hq=4, hkv=2, d=64)
-    kr.PREPARE["ion-auto-append"](case, 0, "cpu", {}).call()
-    _, _, slots = kr.new_token_rows(case, 0, "cpu")
-    assert calls[0] == ("append", slots.tolist()) and calls[1][0] == "attn"
-    assert "key" not in calls[1][1]
-    calls.clear()
-    kr.PREPARE["ion-auto-fused"](case, 0, "cpu", {}).call()
-    assert calls == [("attn", ["key", "plan", "value"])]
-    assert plans[-1] == dict(kr.auto_plan_options(case), fresh_kv=True)
-    assert "fresh_kv" not in plans[0]
-    # ion-auto-fused-kp: the same, with page pairs where the plan has 128-row tiles
-    prefill = Case("p", q_lens=(300,), kv_lens=(300,), hq=4, hkv=2, d=64)
-    for c, pair in ((case, False), (prefill, True)):
-        calls.clear()
-        kr.PREPARE["ion-auto-fused-kp"](c, 0, "cpu", {}).call()
-        assert calls == [("attn", ["key", "plan", "value"])]
-        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, kv_pair=pair)
-        assert plans[-1]["tile_m"] == (128 if pair else 64)
-    # ion-auto-fused-s2: the same, with two K/V stages where the plan has 128-row tiles
-    for c, shallow in ((case, False), (prefill, True)):
-        calls.clear()
-        kr.PREPARE["ion-auto-fused-s2"](c, 0, "cpu", {}).call()
-        assert calls == [("attn", ["key", "plan", "value"])]
-        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True,
-                                 kv_stages=2 if shallow else None)
-    # ion-auto-fused-wf: the same plan options, planned without the final local search
-    calls.clear()
-    kr.PREPARE["ion-auto-fused-wf"](prefill, 0, "cpu", {}).call()
-    assert calls == [("attn", ["key", "plan", "value"])]
-    assert plans[-1] == dict(kr.auto_plan_options(prefill), fresh_kv=True, refine_balance=False)
-    assert "ion-auto-fused-wf" in kr.BACKENDS
-    # ion-auto-nsu / ion-auto-fused-nsu: the same plan options, unpacked items never split
-    for name, fused in (("ion-auto-nsu", False), ("ion-auto-fused-nsu", True)):
-        calls.clear()
-        kr.PREPARE[name](prefill, 0, "cpu", {}).call()
-        assert calls == [("attn", ["key", "plan", "value"] if fused
-                          else ["experimental_pages", "plan"])]
-        want = dict(kr.auto_plan_options(prefill), split_unpacked=False)
-        if fused:
-            want["fresh_kv"] = True
-        assert plans[-1] == want
-        assert name in kr.BACKENDS
-    # ion-auto-fused-t128 / -t192: the tile size forced on steps with a prefill row (a mixed
-    # step the auto policy gives 64 rows), 64 on decode-only steps
-    mixed = Case("m", q_lens=(1,) * 31 + (600,), kv_lens=(8192,) * 31 + (600,), hq=4,
-                 hkv=2, d=64)
-    decode_only = Case("d", q_lens=(1, 1), kv_lens=(300, 64), hq=4, hkv=2, d=64)
-    assert kr.auto_plan_options(mixed)["tile_m"] == 64
-    for name, tm in (("ion-auto-fused-t128", 128), ("ion-auto-fused-t192", 192)):
-        for c, want_tm in ((mixed, tm), (decode_only, 64)):
-            calls.clear()
-            kr.PREPARE[name](c, 0, "cpu", {}).call()
-            assert calls == [("attn", ["key", "plan", "value"])]
-            assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, tile_m=want_tm)
-        assert name in kr.BACKENDS
-    # ion-auto-fused-vs: the default fused plan, on the vectorized-straddle kernels
-    for c in (mixed, decode_only):
-        calls.clear()
-        kr.PREPARE["ion-auto-fused-vs"](c, 0, "cpu", {}).call()
-        assert calls == [("attn", ["key", "plan", "value"])]
-        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, vec_straddle=True)
-    assert "ion-auto-fused-vs" in kr.BACKENDS
-    for c in (mixed, decode_only):
-        calls.clear()
-        kr.PREPARE["ion-auto-fused-si"](c, 0, "cpu", {}).call()
-        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, skip_idle=True)
-    assert "ion-auto-fused-si" in kr.BACKENDS
-    kr.PREPARE["ion-auto-fused-vs-si"](mixed, 0, "cpu", {}).call()
-    assert plans[-1] == dict(kr.auto_plan_options(mixed), fresh_kv=True, vec_straddle=True,
-                             skip_idle=True)
-    # ion-auto-fused-vs64: ion-auto-fused-vs whose plan runs the 16-byte kernels at head
-    # size 64 too (make_device_plan gives such plans the element-wise ones)
-    assert "ion-auto-fused-vs64" in kr.BACKENDS
-
-    class FakePlan:
-        vec_straddle_mode = False
-
-    monkeypatch.setattr(kr, "_ion_plan", lambda case, device, **o: plans.append(o) or FakePlan())
-    for c, want in ((mixed, True), (Case("m128", q_lens=(1, 300), kv_lens=(900, 300),
-                                         hq=8, hkv=2, d=128), False)):
-        shared = {}
-        for rot in (0, 1):
-            calls.clear()
-            kr.PREPARE["ion-auto-fused-vs64"](c, rot, "cpu", shared).call()
-            assert calls == [("attn", ["key", "plan", "value"])]
-        assert plans[-1] == dict(kr.auto_plan_options(c), fresh_kv=True, vec_straddle=True)
-        assert shared["ion_plan"].vec_straddle_mode is want  # D = 64 forced, D = 128 as asked
+def test_rel_err():
+    a = torch.ones(4, 2, 8)
+    assert kr.rel_err(a, a) == 0.0 and kr.rel_err(a * 1.01, a) == pytest.approx(0.01)
+    a2 = a.clone()
+    a2[0, 0, 0] = float("nan")
+    assert kr.rel_err(a2, a) == float("inf")

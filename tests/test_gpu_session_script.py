@@ -1,143 +1,101 @@
-"""scripts/gpu_session.sh's preflight, on a CPU machine: a chain whose steps need vLLM or
-CuTeDSL stops at once, with the reason in steps.txt, when they are not importable (on the
-GPU host that saves a device call's start-up minutes), and the demo model is made when a
-step serves it and it is missing."""
+"""scripts/gpu_session.sh on the CPU, without running any step and without copying the
+checkout: the command each step would run (SESSION_DRY_RUN), the deadline's cuts, the
+import preflight, and the code snapshot on a tiny fake tree (removed when the chain ends)."""
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "gpu_session.sh")
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 
 
-def _env(tmp_path, **extra):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
-               + os.environ.get("PATH", ""), HF_HUB_OFFLINE="1",
-               DEMO_MODEL=str(tmp_path / "demo"), **extra)
-    env.pop("MODEL", None)
-    return env
+def _run(tmp_path, script=SCRIPT, **env):
+    full = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "SESSION_SNAPSHOT": "0",
+            "SESSION_DRY_RUN": "1", "MODEL": str(tmp_path / "model"),
+            "TINY_MODEL": str(tmp_path / "tiny"),
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **env}
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True,
+                       text=True, env=full, timeout=120)
+    steps = (tmp_path / "out" / "steps.txt").read_text()
+    return r.returncode, steps
 
 
-def _shadow(tmp_path, module: str) -> str:
-    """A PATH entry whose ``python3`` fails ``python3 -c "import <module>"`` and runs
-    everything else with this interpreter (CuTeDSL puts itself first on sys.path from a
-    .pth file, so a PYTHONPATH shadow cannot hide it)."""
-    d = tmp_path / f"shadow-{module}"
-    d.mkdir()
-    shim = d / "python3"
-    shim.write_text("#!/usr/bin/env bash\n"
-                    f'if [ "$1" = -c ] && [ "$2" = "import {module}" ]; then exit 1; fi\n'
-                    f'exec "{sys.executable}" "$@"\n')
-    shim.chmod(0o755)
-    return str(d)
+def _cmd(steps: str, name: str) -> str:
+    return next(x.split("): ", 1)[1] for x in steps.splitlines()
+                if x.split()[1] == name and "would run" in x)
 
 
-@pytest.mark.parametrize("module", ["vllm", "cutlass"])
-def test_preflight_stops_the_chain_when_an_import_is_missing(tmp_path, module):
-    pytest.importorskip(module)
-    out = tmp_path / "o"
-    env = _env(tmp_path, SESSION_STEPS="kvtier")
-    env["PATH"] = _shadow(tmp_path, module) + os.pathsep + env["PATH"]
-    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
-                       timeout=300, check=False)
-    assert r.returncode == 3, r.stdout + r.stderr
-    steps = (out / "steps.txt").read_text()
-    assert "preflight" in steps and f"not importable: {module}" in steps, steps
-    assert not (out / "kvtier.log").exists() and not (tmp_path / "demo").exists()
+def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
+    rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt",
+                     KBENCH_SUITES="anchors engine-d64", KBENCH_REGISTER="tag.py",
+                     E2E_BACKENDS="ION,ION@/x/tag,FLASH_ATTN", E2E_WORKLOADS="seed",
+                     STARTUP_REPEATS="2", STARTUP_ARGS="--max-model-len 8192", KVAL_CASES="7")
+    assert rc == 0, steps
+    names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
+    assert sorted(names[:3]) == ["kval-tests", "sweep-append", "sweep-fused"]  # side by side
+    assert names[3:] == ["kbench-anchors", "kbench-engine-d64", "e2e", "startup", "agree",
+                         "kvgpu", "kvtier", "preempt"]
+    assert _cmd(steps, "kval-tests").endswith("tests --ignore=tests/test_kv_tier_gpu.py")
+    assert "--cases 7 --path fused" in _cmd(steps, "sweep-fused")
+    kb = _cmd(steps, "kbench-engine-d64")
+    assert "cli kernel --suite engine-d64 --register tag.py --backends ion,ion-attn" in kb
+    e2e = _cmd(steps, "e2e")
+    assert "--serve --colocate --workload seed --backends ION,ION@/x/tag,FLASH_ATTN" in e2e
+    assert f"--model {tmp_path / 'model'}" in e2e and "--time-budget 900" in e2e
+    assert _cmd(steps, "startup").endswith(f"--repeats 2 --model {tmp_path / 'model'} --out "
+                                           f"{tmp_path / 'out' / 'startup'} --max-model-len 8192")
+    assert f"kv_tier_preempt_check.py {tmp_path / 'tiny'}" in _cmd(steps, "preempt")
+    assert steps.splitlines()[-1].split()[1:] == ["all", "done"]
+    assert not list((tmp_path / "tmp").iterdir())  # the scratch dir is gone
 
 
-def test_preflight_checks_only_what_the_steps_need(tmp_path):
-    """kvgpu needs vLLM only: a hidden CuTeDSL does not stop it at the preflight."""
-    pytest.importorskip("vllm")
-    out = tmp_path / "o"
-    env = _env(tmp_path, SESSION_STEPS="kvgpu")
-    env["PATH"] = _shadow(tmp_path, "cutlass") + os.pathsep + env["PATH"]
-    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    steps = (out / "steps.txt").read_text()
-    assert "preflight" not in steps and "kvgpu" in steps, steps
+def test_missing_models_are_made_first(tmp_path):
+    env = {"SESSION_STEPS": "e2e agree", "MODEL": "", "TINY_MODEL": ""}
+    rc, steps = _run(tmp_path, **env)
+    assert [x.split()[1] for x in steps.splitlines() if "would run" in x] == \
+        ["model", "tiny", "e2e", "agree"]
+    assert f"make_demo_model.py {ROOT / 'bench' / 'demo-model'}" in _cmd(steps, "model")
 
 
-def test_missing_demo_model_is_made_for_the_serving_steps(tmp_path):
-    pytest.importorskip("vllm")
-    pytest.importorskip("cutlass")
-    out = tmp_path / "o"
-    # no GPU here: the kvtier step itself fails, after the model step made the model
-    env = _env(tmp_path, SESSION_STEPS="kvtier", KVTIER_S="60", KVTIER_CONFIGS="ion")
-    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    steps = (out / "steps.txt").read_text()
-    assert "model    rc=0" in steps, steps
-    assert (tmp_path / "demo" / "config.json").exists()
-    assert "kvtier   start" in steps
+def test_deadline_cuts_limits_and_skips_what_cannot_fit(tmp_path):
+    rc, steps = _run(tmp_path, SESSION_STEPS="startup kvgpu", SESSION_DEADLINE_S="100")
+    assert "startup      limit 2400 s cut to" in steps and "kvgpu        limit 300 s cut to" in steps
+    left = int(steps.split("cut to ")[1].split()[0])
+    assert 60 <= left <= 85
+    rc, steps = _run(tmp_path, SESSION_STEPS="startup", SESSION_DEADLINE_S="40")
+    assert "startup      skipped: SESSION_DEADLINE_S=40" in steps and "would run" not in steps
 
 
-def test_deadline_cuts_step_limits_and_skips_what_cannot_fit(tmp_path):
-    """SESSION_DEADLINE_S: a step's limit is cut to the time left (minus 15 s), and a step
-    with under 30 s left is skipped, so the command after the chain (a tar of OUT) still
-    runs inside the device call's own limit."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("cutlass")
-    (tmp_path / "demo").mkdir()
-    (tmp_path / "demo" / "config.json").write_text("{}")  # no model step
-    out = tmp_path / "o"
-    env = _env(tmp_path, SESSION_STEPS="kvtier", KVTIER_S="600", KVTIER_CONFIGS="ion",
-               SESSION_DEADLINE_S="100")
-    r = subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, env=env,
-                       timeout=300, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    steps = (out / "steps.txt").read_text()
-    cut = [x for x in steps.splitlines() if "cut to" in x]
-    assert len(cut) == 1 and "kvtier   limit 600 s cut to" in cut[0], steps
-    left = int(cut[0].split("cut to ")[1].split()[0])
-    assert 60 <= left <= 85, steps  # 100 - elapsed - 15
-    assert "kvtier   start" in steps
-    out2 = tmp_path / "o2"
-    env2 = dict(env, SESSION_DEADLINE_S="40")  # 40 - 15 < 30: nothing fits
-    r = subprocess.run(["bash", SCRIPT, str(out2)], capture_output=True, text=True, env=env2,
-                       timeout=300, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    steps = (out2 / "steps.txt").read_text()
-    assert "kvtier   skipped: SESSION_DEADLINE_S=40" in steps, steps
-    assert "kvtier   start" not in steps and not (out2 / "kvtier.log").exists()
+@pytest.mark.parametrize("steps_env,missing", [("kbench", "cutlass"), ("kvgpu", "vllm"),
+                                               ("e2e", "vllm cutlass")])
+def test_preflight_stops_the_chain_when_imports_are_missing(tmp_path, steps_env, missing):
+    """A python3 whose vllm / cutlass imports fail: exit 3 with the reason, nothing run."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "python3").write_text('#!/usr/bin/env bash\n[ "$1" = -c ] && [[ "$2" == import* ]]'
+                                    f' && exit 1\nexec "{sys.executable}" "$@"\n')
+    (shadow / "python3").chmod(0o755)
+    rc, steps = _run(tmp_path, SESSION_STEPS=steps_env, SESSION_DRY_RUN="0",
+                     PATH=f"{shadow}{os.pathsep}{os.environ['PATH']}")
+    assert rc == 3 and f"not importable: {missing}" in steps and "start:" not in steps
 
 
-@pytest.mark.parametrize("name", ["kvtier", "kvtier2"])
-def test_a_cut_kvtier_step_is_rebuilt_from_its_finished_repeats(tmp_path, name):
-    """When a kvtier step (the first or the second run) does not end with rc=0 and its
-    repeats.jsonl holds finished repeats, the chain writes results.md from them
-    (kv_tier_bench.py --from-repeats)."""
-    import json
-
-    pytest.importorskip("vllm")
-    pytest.importorskip("cutlass")
-    (tmp_path / "demo").mkdir()
-    (tmp_path / "demo" / "config.json").write_text("{}")  # the kvtier step fails at once
-    kv = tmp_path / "o" / name
-    kv.mkdir(parents=True)
-    args = dict(model="m", attention_backend="ION", host_gib=1.0, conversations=2, turns=1,
-                context_len=8, user_len=1, max_tokens=1, wave=1)
-    (kv / "meta.json").write_text(json.dumps(
-        {"args": args, "hbm_kv_pool_bytes": 1 << 20, "reuse_set_bytes": 4 << 20}))
-    run = {"config": "ion", "seed": 0, "requests": 1, "wall_s": 1.0, "ttft_p50_ms": 5.0,
-           "ttft_p99_ms": 9.0, "ttft_mean_ms": 6.0, "ttft_p50_warm_ms": None,
-           "output_tok_s": 1.0, "total_tok_s": 123.0,
-           "prompt_tokens": 1, "output_tokens": 1, "host_hit_rate": 0.5,
-           "preemptions": 0.0, "tier_metrics": {}}
-    (kv / "repeats.jsonl").write_text(json.dumps(run) + "\n")
-    var = name.upper()
-    env = _env(tmp_path, SESSION_STEPS=name, **{f"{var}_S": "120", f"{var}_CONFIGS": "ion"})
-    r = subprocess.run(["bash", SCRIPT, str(tmp_path / "o")], capture_output=True, text=True,
-                       env=env, timeout=300, check=False)
-    assert r.returncode == 0, r.stdout + r.stderr
-    steps = (tmp_path / "o" / "steps.txt").read_text()
-    tag = f"{name:<8s}"
-    assert f"{tag} start" in steps and f"{tag} rc=0" not in steps, steps
-    assert f"{tag} rebuilt from repeats.jsonl: rc=0" in steps, steps
-    # TTFT mean, then the returning turns' p50 (none with one turn)
-    assert "| ion | 5.0 | 9.0 | 6.0 | - | 1 | 123 |" in (kv / "results.md").read_text()
+def test_snapshot_copies_the_code_only_and_is_removed(tmp_path):
+    tree = tmp_path / "tree"
+    for d in ("scripts", "ion_vllm", "cute_kernels", "tests", ".venv", "bench/results"):
+        (tree / d).mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / "scripts")
+    (tree / "ion_vllm" / "x.py").write_text("")
+    (tree / ".venv" / "big").write_text("x" * 1000)
+    rc, steps = _run(tmp_path, script=tree / "scripts" / "gpu_session.sh", SESSION_STEPS="",
+                     SESSION_SNAPSHOT="1")
+    assert rc == 0
+    snap = next(x for x in steps.splitlines() if x.split()[1] == "snapshot")
+    assert snap.split()[2:] == ["cute_kernels", "ion_vllm", "scripts", "tests"]
+    assert not list((tmp_path / "tmp").iterdir())

@@ -50,8 +50,8 @@ def _no_overlaps(recs):
 
 def test_measurements_run_one_at_a_time_in_the_given_order(tmp_path):
     # the last child is the first to be ready: it must still wait for its turn
-    kids = [_child(tmp_path, "a", 0.6, 0.3), _child(tmp_path, "b", 0.3, 0.3),
-            _child(tmp_path, "c", 0.0, 0.3)]
+    kids = [_child(tmp_path, "a", 0.4, 0.15), _child(tmp_path, "b", 0.2, 0.15),
+            _child(tmp_path, "c", 0.0, 0.15)]
     done = []
     rcs = run_gated(kids, str(tmp_path / "gate"), on_done=lambda n, rc: done.append((n, rc)),
                     poll_s=0.01, log=lambda s: None)
@@ -63,11 +63,11 @@ def test_measurements_run_one_at_a_time_in_the_given_order(tmp_path):
 
 
 def test_nothing_measures_while_another_engine_starts(tmp_path):
-    """The first child is ready at once, the last after 0.8 s: the first measurement
+    """The first child is ready at once, the last after 0.5 s: the first measurement
     must still wait until every start-up is over (it would share the GPU and CPUs with
     the others' torch.compile and graph capture)."""
-    kids = [_child(tmp_path, "a", 0.0, 0.1), _child(tmp_path, "b", 0.4, 0.1),
-            _child(tmp_path, "c", 0.8, 0.1)]
+    kids = [_child(tmp_path, "a", 0.0, 0.05), _child(tmp_path, "b", 0.25, 0.05),
+            _child(tmp_path, "c", 0.5, 0.05)]
     run_gated(kids, str(tmp_path / "gate"), poll_s=0.01, log=lambda s: None)
     last_start_end = max(r[2] for r in _log(tmp_path, starts=True))
     first = min(r[1] for r in _log(tmp_path))
@@ -76,7 +76,7 @@ def test_nothing_measures_while_another_engine_starts(tmp_path):
 
 def test_rounds_interleave_the_children(tmp_path):
     """With 3 rounds the measurements run a0 b0 a1 b1 a2 b2, never two at once."""
-    kids = [_child(tmp_path, n, 0.2 if n == "a" else 0.0, 0.1, rounds=3) for n in "ab"]
+    kids = [_child(tmp_path, n, 0.2 if n == "a" else 0.0, 0.05, rounds=3) for n in "ab"]
     done = []
     rcs = run_gated(kids, str(tmp_path / "gate"), on_done=lambda n, rc: done.append((n, rc)),
                     poll_s=0.01, log=lambda s: None, rounds=3)
@@ -105,13 +105,13 @@ def test_rounds_must_be_positive(tmp_path):
 
 
 def test_startups_overlap(tmp_path):
-    """Three 1 s starts must not take 3 s: they run concurrently."""
+    """Three 0.6 s starts must not take 1.8 s: they run concurrently."""
     import time
 
-    kids = [_child(tmp_path, n, 1.0, 0.0) for n in "xyz"]
+    kids = [_child(tmp_path, n, 0.6, 0.0) for n in "xyz"]
     t0 = time.monotonic()
     run_gated(kids, str(tmp_path / "gate"), poll_s=0.01, log=lambda s: None)
-    assert time.monotonic() - t0 < 2.5
+    assert time.monotonic() - t0 < 1.6
 
 
 def test_a_child_that_dies_before_ready_is_reported_and_the_rest_go_on(tmp_path):

@@ -1,9 +1,8 @@
-"""A/B benchmark suite: ION vs vLLM's stock attention (``ion-bench``).
+"""A/B benchmarks of ION against vLLM's stock attention (``ion-bench``, bench/README.md).
 
-Modules: ``kernel_suite`` (named shapes, bytes/FLOPs), ``kernel_runner`` (GPU
-timing of each backend), ``e2e`` (vLLM ``bench throughput`` / ``bench serve``
-drivers), ``report`` (summary.json merge, table.md, plot.png), ``cli`` (entry
-point ``main``).  Importing this package does not import torch or vLLM.
+Modules: ``kernel_suite`` (named shapes, bytes/FLOPs), ``kernel_runner`` (GPU timing of
+each registered backend), ``e2e`` (vLLM ``bench throughput`` / ``serve`` drivers),
+``startup`` (``vllm serve`` time-to-ready), ``report`` (summary.json, table.md, plot.png),
+``cli`` (entry point ``main``); ``start_gate`` and ``gpu_busy`` serve the KV-tier
+benchmark scripts.  Importing this package imports neither torch nor vLLM.
 """
-
-__all__ = ["cli", "e2e", "kernel_runner", "kernel_suite", "report"]

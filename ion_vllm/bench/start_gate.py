@@ -31,14 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: total fraction of GPU memory the co-resident engines may plan for (vLLM's default 0.9)
-TOTAL_GPU_FRACTION_PCT = 90
+TOTAL_GPU_PERCENT = 90
 
 
 def gpu_memory_fraction(n_engines: int) -> float:
     """floor(0.90 / n) to 2 decimals: each engine's ``gpu_memory_utilization``."""
     if n_engines < 1:
         raise ValueError("need at least one engine")
-    return (TOTAL_GPU_FRACTION_PCT // n_engines) / 100
+    return (TOTAL_GPU_PERCENT // n_engines) / 100
 
 
 def engine_env(work_dir: str, name: str, env: dict[str, str] | None = None) -> dict[str, str]:
