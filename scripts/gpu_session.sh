@@ -2,18 +2,20 @@
 # One GPU session's evidence as one chain that may outlive a 10-minute device command:
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &     # then poll OUT/steps.txt
 # Steps (SESSION_STEPS, space-separated, run in this order; default "kval kbench e2e startup"):
-#   kval     the kernel GPU tests (pytest -m gpu, KV-tier tests excepted) and the randomized
-#            sweeps against the fp32 reference on the append and fused paths (KVAL_CASES,
-#            default 500), side by side (they are CPU-compile bound), each with its own
-#            CuTeDSL cache
-#   kbench   ion-bench kernel, interleaved: KBENCH_SUITES (anchors) x KBENCH_BACKENDS
-#            (ion,ion-attn,ion-append,fa3,fa3-layer); KBENCH_REGISTER=FILE.py registers more
-#            backends first (e.g. another checkout's kernels)
+#   kval     the kernel GPU tests (pytest -m gpu; the KV tier's too with KVAL_KV_TIER=1,
+#            instead of step kvgpu after it) in KVAL_SHARDS (8)
+#            processes of contiguous test ids, and the randomized sweep against the
+#            reference (KVAL_CASES, default 1000, one seed) in KVAL_SWEEP_SHARDS (4)
+#            processes, all side by side: they are bound by compiling kernels on the CPU
+#   kbench   ion-bench kernel, interleaved, one process: KBENCH_SUITES (anchors) x
+#            KBENCH_BACKENDS (ion,ion-attn,ion-append,fa3,fa3-layer); KBENCH_REGISTER=FILE.py
+#            registers more backends first (e.g. another checkout's kernels)
 #   e2e      ion-bench e2e --serve --colocate: E2E_WORKLOADS (seed,skewed) x E2E_BACKENDS
 #            (ION,FLASH_ATTN; NAME@DIR runs NAME with DIR's packages), E2E_REPEATS (2),
 #            E2E_KV_GIB (29) per server, E2E_BUDGET_S (900)
 #   startup  ion-bench startup: STARTUP_BACKENDS (ION,FLASH_ATTN), STARTUP_REPEATS (1),
-#            STARTUP_ARGS (passed to vllm serve), STARTUP_S (2400)
+#            STARTUP_COLD (kernels; all: no prime start, every cache cold), STARTUP_ARGS
+#            (passed to vllm serve), STARTUP_S (2400)
 #   agree    scripts/e2e_agreement.py on the tiny real-weight model (AGREE_ARGS)
 #   kvgpu    the KV tier's GPU tests (tests/test_kv_tier_gpu.py)
 #   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS ion,ion-defer,native,
@@ -105,23 +107,34 @@ if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] && { want preempt ||
 fi
 
 if want kval; then
-  CUTE_DSL_CACHE_DIR=$scratch/cute-tests step kval-tests 900 \
-    python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests \
-    --ignore=tests/test_kv_tier_gpu.py &
-  for path in append fused; do
-    CUTE_DSL_CACHE_DIR=$scratch/cute-$path step "sweep-$path" 600 python3 scripts/gpu_sweep.py \
-      --cases "${KVAL_CASES:-500}" --path "$path" --time-budget 540 --quiet --out "$out/sweep-$path" &
+  # contiguous shards of the sorted test ids share few kernel options, so the shards
+  # compile mostly disjoint sets of kernels
+  ignore=--ignore=tests/test_kv_tier_gpu.py; [ "${KVAL_KV_TIER:-0}" = 1 ] && ignore=
+  # shellcheck disable=SC2086  # ignore is empty or one flag
+  python3 -m pytest -qq -m gpu --collect-only -p no:cacheprovider tests $ignore 2>/dev/null \
+    | grep '::' | sort > "$scratch/kval-tests.txt"
+  shards=${KVAL_SHARDS:-8}
+  split -n "l/$shards" -d -a 2 "$scratch/kval-tests.txt" "$scratch/kval-shard-"
+  for f in "$scratch"/kval-shard-*; do
+    # shellcheck disable=SC2046  # one test id per word
+    step "kval-tests-${f##*-}" 900 python3 -m pytest -m gpu -q -p no:cacheprovider $(cat "$f") &
+  done
+  seed=$(python3 -c 'import time; print(time.time_ns() % 2**31)')
+  n=${KVAL_SWEEP_SHARDS:-4}
+  for ((i = 0; i < n; i++)); do
+    CUTE_DSL_DISABLE_FILE_CACHING=1 step "sweep-$i" 900 python3 scripts/gpu_sweep.py \
+      --cases "${KVAL_CASES:-1000}" --seed "$seed" --shard "$i/$n" --quiet \
+      --out "$out/sweep-$i" &
   done
   wait
 fi
 if want kbench; then
   reg=; [ -n "${KBENCH_REGISTER:-}" ] && reg="--register ${KBENCH_REGISTER}"
-  for suite in ${KBENCH_SUITES:-anchors}; do
-    # shellcheck disable=SC2086  # reg is empty or two words
-    step "kbench-$suite" 600 python3 -m ion_vllm.bench.cli kernel --suite "$suite" $reg \
-      --backends "${KBENCH_BACKENDS:-ion,ion-attn,ion-append,fa3,fa3-layer}" \
-      --timing interleaved --out "$out/kbench"
-  done
+  suites=; for s in ${KBENCH_SUITES:-anchors}; do suites="$suites --suite $s"; done
+  # shellcheck disable=SC2086  # reg and suites are lists of flags
+  step kbench 600 python3 -m ion_vllm.bench.cli kernel $suites $reg \
+    --backends "${KBENCH_BACKENDS:-ion,ion-attn,ion-append,fa3,fa3-layer}" \
+    --timing interleaved --out "$out/kbench"
 fi
 if want e2e; then
   step e2e "$(( ${E2E_BUDGET_S:-900} + 300 ))" python3 -m ion_vllm.bench.cli e2e --serve \
@@ -133,6 +146,7 @@ if want startup; then
   # shellcheck disable=SC2086  # STARTUP_ARGS is a list of vllm serve flags
   step startup "${STARTUP_S:-2400}" python3 -m ion_vllm.bench.cli startup \
     --backends "${STARTUP_BACKENDS:-ION,FLASH_ATTN}" --repeats "${STARTUP_REPEATS:-1}" \
+    --cold "${STARTUP_COLD:-kernels}" \
     --model "$model" --out "$out/startup" ${STARTUP_ARGS:-}
 fi
 if want agree; then

@@ -3,6 +3,7 @@ start, the CuTeDSL cache emptied before each cold start only, records and table 
 timings, and one real measurement against the fake ``vllm serve`` (tests/fake_vllm.py)."""
 
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,32 @@ def test_cli_dry_run_passes_unknown_arguments_to_vllm_serve(model, capsys):
     assert cli.main(["startup", "--model", str(model), "--backends", "ION@/nowhere"]) == 2
     with pytest.raises(SystemExit):
         cli.main(["kernel", "--enforce-eager"])  # only startup passes arguments through
+
+
+def test_cold_all_runs_fresh_starts_without_a_prime(tmp_path):
+    """--cold all: per repeat a start with every cache of the label emptied, then a warm one;
+    no prime start, and the warm start finds what the cold one filled."""
+    assert startup.plan_starts(("ION", "FLASH_ATTN"), 1, "all") == [
+        ("ION", "cold", 0), ("ION", "warm", 0), ("FLASH_ATTN", "cold", 0),
+        ("FLASH_ATTN", "warm", 0)]
+    root = tmp_path / "caches"
+    seen = []
+
+    def measure(argv, env, log_path, port, timeout):
+        label = "ION" if "ION" in " ".join(argv) else "FLASH_ATTN"
+        seen.append(sorted(p.name for p in (root / label).iterdir()))
+        for name in ("VLLM_CACHE_ROOT", "ION_KERNEL_CACHE"):
+            (Path(env[name]) / "filled").parent.mkdir(parents=True, exist_ok=True)
+            (Path(env[name]) / "filled").write_text("x")
+        return 1.0
+
+    opts = e2e.E2EOptions(backends=("ION", "FLASH_ATTN"), repeats=1, model=str(tmp_path))
+    (root / "ION" / "vllm").mkdir(parents=True)
+    (root / "ION" / "vllm" / "stale").write_text("x")
+    recs = startup.run_startup(opts, tmp_path / "out", root, log=lambda *_: None,
+                               measure=measure, cold="all")
+    assert {(r["case"], r["backend"]) for r in recs} == {
+        ("cold", "ION"), ("warm", "ION"), ("cold", "FLASH_ATTN"), ("warm", "FLASH_ATTN")}
+    assert not (root / "ION" / "vllm" / "stale").exists(), "the cold start kept an old cache"
+    with pytest.raises(ValueError):
+        startup.plan_starts(("ION",), 1, "some")

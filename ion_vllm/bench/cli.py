@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "Arguments ion-bench does not know go to vllm serve.",
         epilog="e.g. ion-bench startup --repeats 2 --max-model-len 8192")
     _backends(s)
-    s.add_argument("--repeats", type=int, default=1, help="cute-cold + warm starts per backend")
+    s.add_argument("--repeats", type=int, default=1, help="cold + warm starts per backend")
+    s.add_argument("--cold", choices=("kernels", "all"), default="kernels",
+                   help="kernels: a prime start fills vLLM's caches, cold starts empty only the "
+                        "kernel caches; all: no prime start, cold starts empty every cache")
     s.add_argument("--cache-root", help="where the caches of every start live (default: a "
                                         "temporary dir, removed at the end)")
     s.add_argument("--server-timeout", type=float, default=900.0)
@@ -306,7 +309,8 @@ def cmd_startup(args, extra: list[str]) -> int:
             raise ValueError("--repeats must be >= 1")
         e2e_mod.check_labels(opts.backends)
         if args.dry_run:
-            startup.print_plan(opts, Path(args.cache_root or "<cache-root>"), log=_log)
+            startup.print_plan(opts, Path(args.cache_root or "<cache-root>"), log=_log,
+                               cold=args.cold)
             return 0
         e2e_mod.ensure_model(opts, log=_log)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as err:
@@ -319,7 +323,7 @@ def cmd_startup(args, extra: list[str]) -> int:
         root = Path(args.cache_root or tmp)
         _log(f"[startup] {list(opts.backends)} x {opts.repeats} repeat(s); caches in {root}; "
              f"results -> {out}")
-        recs = startup.run_startup(opts, out, root, log=_log,
+        recs = startup.run_startup(opts, out, root, log=_log, cold=args.cold,
                                    on_records=lambda rs: report.update_summary(out, rs))
     report.update_summary(out, recs)
     table, _ = report.render(out)

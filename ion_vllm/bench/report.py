@@ -22,7 +22,7 @@ from pathlib import Path
 KERNEL_ORDER = ("ion", "ion-attn", "ion-append", "fa3", "fa3-layer", "fa4", "triton")
 KERNEL_BASELINE = "fa3"
 E2E_BASELINE = "FLASH_ATTN"
-STARTUP_STATES = ("prime", "cute-cold", "warm")
+STARTUP_STATES = ("prime", "cute-cold", "cold", "warm")
 
 
 # --------------------------------------------------------------------------- summary io
@@ -241,11 +241,12 @@ def _startup_lines(recs: list[dict]) -> list[str]:
         ts = [x["ready_s"] for x in r.get("runs", []) if x.get("ready_s") is not None]
         return f"{r['median_s']:.1f}" + (f" ({min(ts):.1f}–{max(ts):.1f}, n={len(ts)})"
                                           if len(ts) > 1 else "")
-    rows = [[b] + [cell(by.get((s, b))) for s in STARTUP_STATES] for b in backends]
+    states = [s for s in STARTUP_STATES if any(r["case"] == s for r in recs)]
+    rows = [[b] + [cell(by.get((s, b))) for s in states] for b in backends]
     lines = ["## Start-up (`vllm serve` until GET /health is 200; median s (min–max); prime: "
-             "first start, fills vLLM's caches; cute-cold: CuTeDSL cache emptied; warm: "
-             "CuTeDSL cache of the cute-cold start)", ""]
-    lines += _table(["backend", *STARTUP_STATES], rows)
+             "first start, fills vLLM's caches; cute-cold: the kernel caches emptied; cold: "
+             "every cache emptied; warm: every cache filled by the starts before)", ""]
+    lines += _table(["backend", *states], rows)
     ratio = startup_ratio(recs)
     if ratio is not None:
         lines += ["", f"ION warm / {E2E_BASELINE} warm = {ratio:.2f}"]

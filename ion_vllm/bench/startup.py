@@ -1,10 +1,13 @@
 """``ion-bench startup``: ``vllm serve`` time-to-ready (process start until GET /health
-answers 200) per backend label, with CuTeDSL's compile cache cold and warm.
+answers 200) per backend label, with the kernel caches cold and warm.
 
 Per label, every cache lives under ``<cache_root>/<label>/``: ``VLLM_CACHE_ROOT`` (vLLM's
-torch.compile cache), ``TRITON_CACHE_DIR`` and ``CUTE_DSL_CACHE_DIR``.  Start "prime"
-fills them; then, ``repeats`` times, label after label: "cute-cold" (the CuTeDSL cache dir
-emptied first, vLLM's caches warm) and "warm" (the CuTeDSL cache the cold start filled).
+torch.compile cache), ``TRITON_CACHE_DIR``, ``CUTE_DSL_CACHE_DIR`` and ``ION_KERNEL_CACHE``
+(ION's compiled kernels).  Start "prime" fills them; then, ``repeats`` times, label after
+label: "cute-cold" (the two CuTeDSL kernel caches emptied first, vLLM's caches warm) and
+"warm" (the kernel caches the cold start filled).  ``cold="all"`` skips the prime start and
+runs "cold" (every cache of the label emptied: a first start on a fresh machine) before each
+"warm" one.
 Each server's process group is stopped once it is ready (or has failed).
 """
 
@@ -20,20 +23,28 @@ from . import report
 from .e2e import (BASELINE, VLLM_CLI, E2EOptions, Server, backend_env, free_port, fs_name,
                   kill_group, load_format_for, wait_healthy)
 
-STATES = report.STARTUP_STATES  # ("prime", "cute-cold", "warm")
+STATES = report.STARTUP_STATES
 
 
 def cache_dirs(cache_root: Path, label: str) -> dict[str, Path]:
     d = Path(cache_root) / fs_name(label)
     return {"VLLM_CACHE_ROOT": d / "vllm", "TRITON_CACHE_DIR": d / "triton",
-            "CUTE_DSL_CACHE_DIR": d / "cute"}
+            "CUTE_DSL_CACHE_DIR": d / "cute", "ION_KERNEL_CACHE": d / "kernels"}
+
+#: the caches a cute-cold start empties
+KERNEL_CACHES = ("CUTE_DSL_CACHE_DIR", "ION_KERNEL_CACHE")
 
 
-def plan_starts(labels, repeats: int) -> list[tuple[str, str, int]]:
-    """(label, state, repeat) in start order: every label's prime start, then per repeat,
-    label after label, its cute-cold start and the warm start after it."""
+def plan_starts(labels, repeats: int, cold: str = "kernels") -> list[tuple[str, str, int]]:
+    """(label, state, repeat) in start order.  ``cold="kernels"``: every label's prime start,
+    then per repeat, label after label, its cute-cold start and the warm start after it;
+    ``cold="all"``: per repeat, label after label, a cold start and a warm one."""
+    if cold == "all":
+        return [(b, s, r) for r in range(repeats) for b in labels for s in ("cold", "warm")]
+    if cold != "kernels":
+        raise ValueError(f"cold={cold!r}: use 'kernels' or 'all'")
     return ([(b, "prime", 0) for b in labels]
-            + [(b, s, r) for r in range(repeats) for b in labels for s in STATES[1:]])
+            + [(b, s, r) for r in range(repeats) for b in labels for s in ("cute-cold", "warm")])
 
 
 def start_env(label: str, opts: E2EOptions, cache_root: Path) -> dict[str, str]:
@@ -72,6 +83,8 @@ def build_records(runs: dict[tuple[str, str], list[dict]], labels) -> list[dict]
     for state in STATES:
         for b in labels:
             rs = runs.get((state, b), [])
+            if not rs and (state, b) not in runs and not any(k[0] == state for k in runs):
+                continue  # a state this protocol does not run
             ok = [r["ready_s"] for r in rs if r.get("ready_s") is not None]
             rec = {"suite": "startup", "case": state, "backend": b, "runs": rs,
                    "median_s": statistics.median(ok) if ok else None,
@@ -89,16 +102,18 @@ def build_records(runs: dict[tuple[str, str], list[dict]], labels) -> list[dict]
 
 
 def run_startup(opts: E2EOptions, out_dir: Path, cache_root: Path, *, log=print,
-                on_records=None, measure=measure_start) -> list[dict]:
+                on_records=None, measure=measure_start, cold: str = "kernels") -> list[dict]:
     """Every start of :func:`plan_starts`; a start that fails is recorded and the rest go on."""
     runs: dict[tuple[str, str], list[dict]] = {}
-    plan = plan_starts(opts.backends, opts.repeats)
+    plan = plan_starts(opts.backends, opts.repeats, cold)
     for i, (b, state, r) in enumerate(plan):
         env = start_env(b, opts, cache_root)
-        cute = Path(env["CUTE_DSL_CACHE_DIR"])
-        if state == "cute-cold":
-            shutil.rmtree(cute, ignore_errors=True)
-        cute.mkdir(parents=True, exist_ok=True)
+        if state == "cold":
+            shutil.rmtree(Path(cache_root) / fs_name(b), ignore_errors=True)
+        for name in KERNEL_CACHES:
+            if state == "cute-cold":
+                shutil.rmtree(env[name], ignore_errors=True)
+            Path(env[name]).mkdir(parents=True, exist_ok=True)
         port = free_port()
         argv = serve_argv(b, opts, port)
         log_path = out_dir / "logs" / f"startup-{fs_name(b)}-{state}-r{r}.server.log"
@@ -116,10 +131,11 @@ def run_startup(opts: E2EOptions, out_dir: Path, cache_root: Path, *, log=print,
     return build_records(runs, opts.backends)
 
 
-def print_plan(opts: E2EOptions, cache_root: Path, log=print) -> None:
-    for b, state, r in plan_starts(opts.backends, opts.repeats):
+def print_plan(opts: E2EOptions, cache_root: Path, log=print, cold: str = "kernels") -> None:
+    for b, state, r in plan_starts(opts.backends, opts.repeats, cold):
         env = start_env(b, opts, cache_root)
-        clear = " (CUTE_DSL_CACHE_DIR emptied first)" if state == "cute-cold" else ""
+        clear = {"cute-cold": " (kernel caches emptied first)",
+                 "cold": " (every cache emptied first)"}.get(state, "")
         log(f"# {b} {state} repeat {r}{clear}")
         log(" ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " "
             + shlex.join(serve_argv(b, opts, 8000)))
