@@ -7,23 +7,8 @@
 #           launch), ion-auto-s2 / ion-auto-fused-s2 (the same with two K/V stages on
 #           128-row tiles, the depth before 2026-12-02), fa3; interleaved timing
 #   kvgpu   the KV tier's GPU tests (tests/test_kv_tier_gpu.py: random store/evict/load/flush
-#           operations on CUDA streams, both copiers; a store/load round trip)
-#   hostcost scripts/kv_tier_host_cost.py: host time of the tier worker's submit_store /
-#           submit_load / get_finished under both issue points, no profiler (every block
-#           checked)
-#   probes  the ring path's two suspects alone (twenty-sixth session): step gather,
-#           scripts/ring_gather_probe.py (the worker's gather kernel alone and beside bf16
-#           GEMMs, at high and normal stream priority); step copyprobe,
-#           scripts/copy_contention_probe.py (a 4 KiB GPU -> host copy behind one 256 MiB
-#           copy or behind it cut into 128 KiB / 1 MiB pieces in one batched call;
-#           COPYPROBE_MODES)
-#   sideprobe scripts/side_stream_probe.py: CUDA graphs' replay time per kernel before and
-#           after a copy, then a kernel, ran on a second stream (thirtieth session's reading;
-#           SIDEPROBE_GRAPHS, default torch,pdl,plain: PyTorch's adds and a Triton add with
-#           and without programmatic dependent launch; ~30 s)
-#   copy    scripts/kv_tier_copy_bench.py: the Ion worker's copy paths against vLLM's native
-#           CPU offloading worker on the same blocks (D2H and H2D GB/s, every block checked),
-#           GPU block ids in consecutive runs, then at random
+#           operations on CUDA streams, both copiers, every restore verified; a store/load
+#           round trip; the ring's HBM bound)
 #   preempt the KV tier's preemption check in float32 on TRITON_ATTN (tiny real-weight model,
 #           /tmp/tiny): reference, tier (with block verification) and control run side by
 #           side; fp32 rounding noise is too small to flip greedy near-ties, so the token
@@ -35,8 +20,8 @@
 #           e2e.log's time stamps show whether it ended before the first e2e bench run
 #   e2e     ion-bench e2e --serve --colocate over every named workload, ION vs FLASH_ATTN,
 #           2 repeats, interleaved A/B
-#   kvtier  scripts/kv_tier_bench.py --colocate (ion, ion-defer, native: engines start together,
-#           then, once all are up, measure one at a time, repeats interleaved)
+#   kvtier  scripts/kv_tier_bench.py --colocate (ion, native-default, none: engines start
+#           together, then, once all are up, measure one at a time, repeats interleaved)
 #   kvtier2 a second kvtier run (KVTIER2_CONFIGS, KVTIER2_REPEATS, KVTIER2_S, KVTIER2_ARGS)
 #   share   scripts/attention_share.py on the seed workload (SHARE_BACKENDS, default ION vs
 #           FLASH_ATTN; ION variant labels such as ION+noreuse allowed; SHARE_KV_GIB each;
@@ -48,14 +33,14 @@
 #           per AGREE_MODES entry: "default" (FULL_AND_PIECEWISE) or a --ion-cudagraph-mode
 # Environment: SESSION_STEPS (subset, space-separated; default kbench preempt e2e kvtier),
 # SESSION_DEADLINE_S (the chain's wall budget; see below),
-# KBENCH_BACKENDS, KBENCH_TIMING (interleaved, the default: backends alternate call by call; or queued), COPY_IDS (runs random), E2E_WORKLOADS (comma-separated, in run order),
+# KBENCH_BACKENDS, KBENCH_TIMING (interleaved, the default: backends alternate call by call; or queued), E2E_WORKLOADS (comma-separated, in run order),
 # E2E_BACKENDS, E2E_BUDGET_S, E2E_KV_GIB (KV cache per colocated server, default 30; ion-bench
 # refuses sizes that overcommit the GPU), KVTIER_CONFIGS, KVTIER_REPEATS, KVTIER_S, KVTIER_ARGS (extra
 # kv_tier_bench.py arguments, e.g. "--max-tokens 256"), SHARE_S, AGREE_MODES (default
 # "default FULL"), AGREE_ARGS, MODEL, DEMO_MODEL, TINY_MODEL.
 # Preflight: exits 3 (steps.txt says why) when a step's imports (vllm, cutlass) are missing.
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &
-# Results: OUT/{steps.txt,kbench/,hostcost/,copy/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
+# Results: OUT/{steps.txt,kbench/,preempt/,kval/,e2e/,kvtier/,share/} and OUT/<step>.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: scripts/gpu_session.sh OUT_DIR}
@@ -110,7 +95,7 @@ step() {  # step NAME SECONDS CMD...
 # serves it and it is missing.
 need_vllm=0
 need_cute=0
-for s in kvgpu hostcost probes copy preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
+for s in kvgpu preempt e2e kvtier kvtier2 share agree; do want "$s" && need_vllm=1; done
 for s in kbench kval e2e kvtier kvtier2 share agree; do want "$s" && need_cute=1; done
 missing=
 [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -137,25 +122,6 @@ if want kbench; then
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
-fi
-if want hostcost; then
-  step hostcost 180 python3 scripts/kv_tier_host_cost.py --out "$out/hostcost"
-fi
-if want probes; then
-  step gather 180 python3 scripts/ring_gather_probe.py --out "$out/gather"
-  step copyprobe 180 python3 scripts/copy_contention_probe.py \
-    --modes "${COPYPROBE_MODES:-none,d2h-one,d2h-batch-128,d2h-batch-1024}" \
-    --probes d2h-4k,h2d-64k --out "$out/copyprobe"
-fi
-if want sideprobe; then
-  step sideprobe 120 python3 scripts/side_stream_probe.py \
-    --graphs "${SIDEPROBE_GRAPHS:-torch,pdl,plain}" --out "$out/sideprobe"
-fi
-if want copy; then
-  for ids in ${COPY_IDS:-runs random}; do  # step names: copy (runs), copy-random
-    name=copy; [ "$ids" = runs ] || name=copy-$ids
-    step "$name" 240 python3 scripts/kv_tier_copy_bench.py --ids "$ids" --out "$out/$name"
-  done
 fi
 if want preempt; then
   mkdir -p "$out/preempt"
@@ -193,7 +159,7 @@ kvtier_step() {
 }
 if want kvtier; then
   kvtier_step kvtier "${KVTIER_S:-720}" "${KVTIER_REPEATS:-3}" \
-    "${KVTIER_CONFIGS:-ion,ion-defer,native}" "${KVTIER_ARGS:-}"
+    "${KVTIER_CONFIGS:-ion,native-default,none}" "${KVTIER_ARGS:-}"
 fi
 # kvtier2: a second kv_tier_bench.py run after the first (its own engines), for a lease
 # that A/Bs more configs than fit the GPU at once

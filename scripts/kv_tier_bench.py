@@ -2,60 +2,13 @@
 """GPU benchmark of the Ion KV tier on a multi-turn, shared-prefix workload
 whose reuse set is several times the HBM KV pool.
 
-Configs (each in a fresh process): `none` (no offload), `native` (vLLM
-OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored
-too so both tiers hold the same data), `native-default` (the same with vLLM's
-defaults: prompt blocks only, so a returning turn recomputes the previous answer's
-blocks), `ion` (OffloadingConnector + IonKVTier, its
-defaults), and Ion variants for A/B (ION_CONFIGS): `ion-defer` (ring_overflow=defer,
-the policy before 2026-11-29's fifth session), `ion-host` (store_completion=host, the
-completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, every
-block copied GPU -> host directly, i.e. native's data path under Ion's manager),
-`ion-tensor` (host_layout=tensor: one host region per KV tensor, runs of consecutive
-blocks copied as one descriptor), `ion-cegather` (ring_gather=copier: the GPU -> ring
-copies on the copy engines, the data path before the seventh session), `ion-ceload`
-(load_copy=copier: host -> GPU loads on the copy engines, the data path before the
-twenty-first session), `ion-prompt-only` (offload_prompt_only=True: vLLM's default
-policy on Ion's data path, to tell the eager policy's cost from the implementation's),
-`ion-finish` (issue_at=finish: transfers issued at the worker's next get_finished, after
-the step's forward pass is enqueued, instead of inside vLLM's submit calls), `ion-submit`
-(issue_at=submit: issued inside the submit calls; named explicitly so that it stays that
-path whichever issue point is the default), `ion-staged` (id_upload=staged: the copy
-kernels' block ids through a persistent pinned buffer, not a pinned tensor per launch),
-`ion-finish-staged` (both), `ion-delay-submit` / `ion-delay-finish` (a test-only probe:
-2 ms of extra host time per store job, in `submit_store` or in the next `get_finished`, to
-measure how much of the engine loop's host time reaches the wall time), `ion-raw` /
-`ion-torch` (issue_api: the copies issued through explicit stream handles, compiled Triton
-launchers and cudaMemcpyAsync, or through PyTorch and Triton's front ends; named
-explicitly so that each stays that path whichever is the default), and the ring path's
-shape, the suspects of Ion's turn-1 cost (twenty-sixth session): `ion-chunkdrain`
-(drain_chunk_kib=128: the ring drain as copies of at most 128 KiB, the size of the
-direct path's page copies), `ion-gather-normal` (gather_priority=normal: the GPU -> ring
-gather at the compute stream's priority) and `ion-ringsmall` (ring_max_job_blocks=4: bulk
-prompt stores copied GPU -> host directly, the ring kept for jobs of up to 4 blocks);
-none of the three moved turn 1 (twenty-seventh session: the cost follows ring pieces, ~1
-ms each, not bytes), so two more: `ion-hostids` (gather_ids=host: the gather kernel reads
-its block ids from pinned host memory, no host -> device copy per piece) and
-`ion-gather-drain` (gather_stream=drain: the gather queued on the drain stream, no stream
-of its own); and `ion-batch` (store_batch_blocks=8, store_batch_steps=32: decode stores
-held and issued together, about four to a ring piece at this workload's rate of one store
-every ~8 steps), which tests the per-piece reading without naming the mechanism. None of
-the three moved turn 1 either (twenty-eighth session: the cost does not follow pieces), so
-`ion-ring1` (ring_mib=4: a ring of one slot, which only one-block jobs fit, one at a time)
-asks whether it follows the ring's size, with `ion-cegather` (no gather kernel). Both
-cost as much as the full ring (twenty-ninth session), so `ion-ringidle` (ring_idle: the
-256 MiB ring allocated and its gather compiled, every block copied GPU -> host directly,
-as `ion-noring` does) separates the ring's presence from its use. The thirtieth session's
-profiles tied both of Ion's losses to kernels on streams other than the compute stream
-(worker.py, "One compute stream"), so three configs test that: `ion-gather-compute`
-(gather_stream=compute: the ring gather on the compute stream), `ion-noring-ceload`
-(ring_mib=0, load_copy=copier: no ring and loads on the copy engines, no side kernel at
-all) and `ion-onestream` (both changes with the ring: the tier's only kernel on the
-compute stream). `ion-onestream` measured 1.010 ± 0.004 of native-default's total tok/s
-(thirty-first session, H100), so its two keys are the defaults since then; the configs
-that name stream keys name both, so that each stays the path it measured:
-`ion-sidestreams` (gather_stream=own, load_copy=auto: the defaults until the thirty-first
-session) and `ion-ceload` / `ion-gather-compute` as they were measured.
+Configs (each in a fresh process): `none` (no offload: recompute), `native` (vLLM
+OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored too so both
+tiers hold the same data), `native-default` (the same with vLLM's defaults: prompt blocks
+only, so a returning turn recomputes the previous answer's blocks) and `ion`
+(OffloadingConnector + IonKVTier, its defaults; `--ring-mib` sets its ring).  The record
+of the current defaults on the H200: bench/results/2026-12-06-h200/session32/.  The lab's
+Ion variants (each a config key since removed) are at tag lab-2026-12.
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -69,17 +22,14 @@ out of HBM by the others.
 
 Defaults (8k contexts, 32 generated tokens per turn, CUDA graphs on) make the
 returning turns' prefill the dominant cost, which is what a KV tier exists to save.
-The first H200 run (2026-11-29) used 2k contexts, 128 generated tokens and
---enforce-eager: its time went to eager decode steps, recompute was the fastest config
-(bench/results/2026-11-29-h200/kv-tier/bench-eager), and it measured the wrong thing.
 
 Reports TTFT p50/p99, mean TTFT, the TTFT p50 of the returning turns (2 and later) and
 per turn (the p50 over all requests is bimodal on the 3-turn workload), output tok/s, total tok/s, the share of prompt tokens served
 from a cache (``cached_frac``: vLLM's per-request ``num_cached_tokens`` over prompt tokens,
 overall and per turn), the host hit rate of lookups (vLLM's
-external_prefix_cache_hits / _queries, counted per lookup: the H200 run of 2026-12-01
-measured 0.45 there while 0.99 of turns 2-3's prompt tokens, ~0.656 of all, came from the
-tier; what dilutes the lookup count on the GPU is not pinned down yet), measured
+external_prefix_cache_hits / _queries, counted per lookup, which reads lower than the
+token share: 0.45 on the H200 where 0.99 of turns 2-3's prompt tokens came from the
+tier), measured
 D2H and H2D GB/s (H2D: vLLM's kv_offload_load_{bytes,time}; D2H: the Ion worker's
 own ion_kv_tier_d2h_{bytes,seconds} when present, since an Ion store is reported
 finished once its sources are read, else vLLM's kv_offload_store_{bytes,time});
@@ -100,37 +50,8 @@ import time
 
 
 #: Ion tier configs -> the kv_connector_extra_config keys they set over the spec's
-#: defaults (ion_vllm/kv_tier/spec.py, worker.py)
-ION_CONFIGS = {
-    "ion": {},
-    "ion-defer": {"ring_overflow": "defer"},
-    "ion-host": {"store_completion": "host"},
-    "ion-noring": {"ring_mib": 0},
-    "ion-tensor": {"host_layout": "tensor"},
-    "ion-cegather": {"ring_gather": "copier"},
-    "ion-ceload": {"gather_stream": "own", "load_copy": "copier"},
-    "ion-prompt-only": {"offload_prompt_only": True},
-    "ion-finish": {"issue_at": "finish"},
-    "ion-submit": {"issue_at": "submit"},
-    "ion-staged": {"id_upload": "staged"},
-    "ion-finish-staged": {"issue_at": "finish", "id_upload": "staged"},
-    "ion-delay-submit": {"host_delay_us": 2000, "host_delay_at": "submit"},
-    "ion-delay-finish": {"host_delay_us": 2000, "host_delay_at": "finish"},
-    "ion-raw": {"issue_api": "raw"},
-    "ion-torch": {"issue_api": "torch"},
-    "ion-chunkdrain": {"drain_chunk_kib": 128},
-    "ion-gather-normal": {"gather_stream": "own", "gather_priority": "normal"},
-    "ion-ringsmall": {"ring_max_job_blocks": 4},
-    "ion-hostids": {"gather_ids": "host"},
-    "ion-gather-drain": {"gather_stream": "drain"},
-    "ion-batch": {"store_batch_blocks": 8, "store_batch_steps": 32},
-    "ion-ring1": {"ring_mib": 4},
-    "ion-ringidle": {"ring_idle": True},
-    "ion-gather-compute": {"gather_stream": "compute", "load_copy": "auto"},
-    "ion-onestream": {"gather_stream": "compute", "load_copy": "copier"},
-    "ion-noring-ceload": {"ring_mib": 0, "load_copy": "copier"},
-    "ion-sidestreams": {"gather_stream": "own", "load_copy": "auto"},
-}
+#: defaults (ion_vllm/kv_tier/config.py)
+ION_CONFIGS = {"ion": {}}
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
 
@@ -337,7 +258,7 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     from ion_vllm.bench.gpu_busy import GpuBusySampler
-    from ion_vllm.kv_tier.stats import prometheus_sums
+    from ion_vllm.bench.offload_configs import prometheus_sums
 
     rng = random.Random(seed)
     vocab = cfg["vocab"]
@@ -819,10 +740,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--attention-backend", default="ION")
-    ap.add_argument("--configs", default="ion,native,none",
-                    help=f"run order, from {', '.join(CONFIGS)} (ion-defer: the Ion tier with "
-                         "ring_overflow=defer); results are written after each, so a run cut "
-                         "short by a time limit keeps the first ones")
+    ap.add_argument("--configs", default="ion,native-default,none",
+                    help=f"run order, from {', '.join(CONFIGS)}; results are written after "
+                         "each, so a run cut short by a time limit keeps the first ones")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
                     help="when sizing the HBM pool: reuse set / HBM pool")
