@@ -19,19 +19,80 @@ import itertools
 import os
 import random
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
 
 from ion_vllm.kv_tier.config import KVTierConfig
 from ion_vllm.kv_tier.manager import IonHostSpec, IonKVTierManager
 from ion_vllm.kv_tier.runtime import SimRuntime
-from ion_vllm.kv_tier.worker import IonKVTierWorker, canonicalize_layer_caches
+from ion_vllm.kv_tier.worker import IonKVTierWorker
 
 CTX = ReqContext(req_id="harness")
+
+
+def _rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View a blocks-first tensor as (num_blocks, bytes) int8 without copying."""
+    assert t.shape[0] == num_blocks
+    inner = t[0] if num_blocks else t
+    if not inner.is_contiguous():
+        raise ValueError("the bytes of one KV block must be contiguous")
+    nbytes = inner.numel() * t.element_size()
+    raw = torch.empty(0, dtype=torch.int8, device=t.device).set_(t.untyped_storage())
+    return torch.as_strided(
+        raw, (num_blocks, nbytes), (t.stride(0) * t.element_size(), 1),
+        t.storage_offset() * t.element_size(),
+    )
+
+
+def canonicalize_layer_caches(
+    caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    num_blocks: int,
+    layout: str = "auto",
+) -> CanonicalKVCaches:
+    """Build CanonicalKVCaches (single KV group) from per-layer KV tensors, as vLLM's
+    OffloadingConnector hands them to the spec.
+
+    layout: "blocks_first" ([num_blocks, ...], e.g. ION [num_blocks, 2, Hkv, P, D]),
+    "kv_first" ([2, num_blocks, ...], e.g. [2, num_blocks, P, Hkv, D]) or "auto"
+    (dim 0 == num_blocks -> blocks_first, else dim 0 == 2 and dim 1 ==
+    num_blocks -> kv_first).  Layers sharing storage are kept once.
+    """
+    tensors = list(caches.values()) if isinstance(caches, Mapping) else list(caches)
+    out: list[CanonicalKVCacheTensor] = []
+    seen: set[tuple[int, int]] = set()
+    for t in tensors:
+        lay = layout
+        if lay == "auto":
+            if t.shape[0] == num_blocks and not (num_blocks == 2 and t.ndim > 1 and t.shape[1] == 2):
+                lay = "blocks_first"
+            elif t.shape[0] == 2 and t.ndim > 1 and t.shape[1] == num_blocks:
+                lay = "kv_first"
+            else:
+                raise ValueError(f"cannot find num_blocks={num_blocks} in shape {tuple(t.shape)}")
+        parts = [t] if lay == "blocks_first" else [t[0], t[1]]
+        for p in parts:
+            key = (p.data_ptr(), p.stride(0))
+            if key in seen:
+                continue
+            seen.add(key)
+            r = _rows(p, num_blocks)
+            out.append(CanonicalKVCacheTensor(tensor=r, page_size_bytes=r.shape[1]))
+    refs = [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=c.page_size_bytes)
+            for i, c in enumerate(out)]
+    return CanonicalKVCaches(tensors=out, group_data_refs=[refs])
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_verify_on_cuda_streams(fresh_seed):
 def _caches(nb=256, layers=8):
     """``layers`` ION-layout layers of ``nb`` blocks of 64 tokens x 8 heads x 128 (bf16):
     2 MiB a block over all layers."""
-    from ion_vllm.kv_tier.worker import canonicalize_layer_caches
+    from kv_tier_harness import canonicalize_layer_caches
 
     caches = [torch.randn(nb, 2, 8, 64, 128, device="cuda").to(torch.bfloat16)
               for _ in range(layers)]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 

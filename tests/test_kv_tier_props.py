@@ -10,7 +10,9 @@ import torch
 
 from kv_tier_harness import Corruption, fresh_seed, run_random_ops  # noqa: F401 (fixture)
 
-from ion_vllm.kv_tier.copies import BatchCopier, TorchCopier, canonicalize_layer_caches
+from kv_tier_harness import canonicalize_layer_caches
+
+from ion_vllm.kv_tier.copies import BatchCopier, TorchCopier
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.runtime import SimRuntime
 from ion_vllm.kv_tier.staging_ring import RingAllocator

@@ -1,17 +1,11 @@
-"""The GPU -> ring gather of a store on the SMs, one Triton launch, not on the copy engines.
+"""The GPU -> ring gather of a store on the SMs: one Triton launch on vLLM's compute stream.
 
-Why not the copy engines (vLLM's ``swap_blocks_batch`` / ``cuMemcpyBatchAsync``): on the
-H200 a batch of device-to-device descriptors of one page each (128 KiB per layer and block
-in the ION layout) moved about 7 GB/s, slower than the PCIe drain behind it
-(``bench/notes.md`` at tag ``lab-2026-12``, seventh session).  A gather on the SMs reads
-and writes HBM at hundreds of GB/s, so a 3.5 MiB block costs microseconds of SM time.
-The worker launches it on vLLM's compute stream (worker.py, "One compute stream").
-
-Addressing: tensor ``t`` of the KV cache has its page of GPU block ``b`` at
-``base[t] + b * stride[t]``; ring row ``r`` holds it at ``ring + roff[t] + r * rstride[t]``
-(``TorchCopier.placement``).  Only the GPU block ids travel per call (int64, through a
-pinned tensor of PyTorch's caching host allocator and an asynchronous copy: the host never
-waits on a stream); the per-tensor table is uploaded once per KV group.
+Not on the copy engines: on the H200 a batch of one-page device-to-device descriptors
+(vLLM's ``swap_blocks_batch``) moved about 7 GB/s, slower than the PCIe drain behind it; on
+the SMs a 3.5 MiB block costs microseconds.  Tensor ``t``'s page of GPU block ``b`` is at
+``base[t] + b * stride[t]``, and ring row ``r`` holds it at ``ring + roff[t] + r *
+rstride[t]`` (``TorchCopier.placement``); the per-tensor table is uploaded once per KV
+group, and only the block ids travel per call (a pinned tensor and an async copy).
 """
 
 from __future__ import annotations

@@ -23,8 +23,6 @@ class CudaRuntime:
     """CUDA streams and events; every stream the worker makes has the default priority,
     the compute stream's (``torch.cuda.Stream``'s priority 0)."""
 
-    asynchronous = True
-
     def __init__(self, device: torch.device):
         self.device = device
 
@@ -80,12 +78,9 @@ class SimRuntime:
     ``eager=True`` runs every operation at launch (a synchronous device).
     """
 
-    asynchronous = False
-
     def __init__(self, eager: bool = False):
         self.eager = eager
         self.streams: list[_SimStream] = []
-        self.ops_run = 0
         #: stream name -> how many times it was ordered after the compute stream
         self.current_waits: dict[str, int] = {}
         self._compute: _SimStream | None = None
@@ -150,7 +145,6 @@ class SimRuntime:
         if kind == "wait" and not payload.done:
             self.sync(payload)
         s.ops.popleft()
-        self.ops_run += 1
         if kind == "fn":
             payload()
         elif kind == "rec":

@@ -1,20 +1,14 @@
 """Counters of the Ion KV tier and their export through vLLM's offloading metrics.
 
 Scheduler side (``IonKVTierManager``): lookups, hits, loads, stores, drops, evictions,
-host-pool usage and the in-flight writeback window.  They travel to Prometheus through
-``OffloadingManager.get_stats()`` -> ``OffloadingConnectorStats`` -> ``OffloadPromMetrics``,
-which creates one metric per entry of ``IonKVTierSpec.build_metric_definitions``.
-
-Worker side (``IonKVTierWorker.stats``, logged every 30 s): ring occupancy, bytes and
-seconds per path.  vLLM forwards only the per-job ``TransferResult(transfer_size,
-transfer_time)`` from workers to the scheduler: for loads that is the H2D time
-(``vllm:kv_offload_load_bytes / _load_time``); for stores it is the time until the job is
-reported finished, which for a ring piece is its device-to-device gather, not its drain.
-So the worker also adds to the process-wide ``PROCESS_COUNTERS`` the path each stored
-block took (ring or spill), its D2H bytes and device seconds, and the verify counts; the
-scheduler-side manager of the spec adds their growth to its ``get_stats()``
-(``add_process_counters``).  That reaches Prometheus when the worker runs in the
-scheduler's process (world size 1); with TP > 1 those counts are only in the workers' logs.
+host-pool usage and the writeback window, reported by ``OffloadingManager.get_stats()``;
+vLLM's ``OffloadPromMetrics`` makes one Prometheus metric per entry of
+``metric_definitions``.  Worker side (``WorkerStats``, logged every 30 s): vLLM forwards
+only a per-job ``TransferResult`` from workers, whose store time is the gather's for a ring
+piece; so the worker also adds each stored block's path (ring or spill), its D2H bytes and
+device seconds, and the verify counts to the process-wide ``PROCESS_COUNTERS``, whose
+growth the spec's manager adds to its ``get_stats()``.  That reaches Prometheus at world
+size 1 (worker and scheduler in one process); with TP > 1 only the workers' logs have it.
 """
 
 from __future__ import annotations
@@ -50,49 +44,42 @@ class M:
     VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
 
 
+_DOCS = {  # metric -> (gauge?, documentation)
+    M.LOOKUP_BLOCKS: (False, "blocks looked up in the host pool."),
+    M.LOOKUP_HIT_BLOCKS: (False, "looked-up blocks found in the host pool (ready or being "
+                          "written)."),
+    M.LOADED_BLOCKS: (False, "blocks restored host->GPU."),
+    M.STORED_BLOCKS: (False, "blocks written back GPU->host."),
+    M.STORE_DROPPED_BLOCKS: (False, "blocks not written back because the writeback window "
+                             "was full (back-off)."),
+    M.STORE_NO_SPACE_BLOCKS: (False, "blocks not written back because every host block was "
+                              "pinned by in-flight transfers."),
+    M.STORE_AFTER_FINISH_BLOCKS: (False, "blocks refused because vLLM offered them for a "
+                                  "finished request (the final token's KV was never "
+                                  "computed)."),
+    M.EVICTED_BLOCKS: (False, "host blocks evicted (LRU)."),
+    M.HOST_USED_BYTES: (True, "host bytes holding blocks."),
+    M.HOST_USAGE_PERC: (True, "host pool usage (0..1)."),
+    M.INFLIGHT_STORE_PERC: (True, "writeback blocks in flight / window size (0..1)."),
+    M.RING_BLOCKS: (False, "worker: blocks written back through the HBM staging ring."),
+    M.SPILL_BLOCKS: (False, "worker: blocks copied GPU->host directly (ring full or 0 MiB)."),
+    M.D2H_BYTES: (False, "worker: bytes copied into host memory (drains and spills)."),
+    M.D2H_SECONDS: (False, "worker: device time of those copies (d2h_bytes / d2h_seconds "
+                    "= the D2H rate)."),
+    M.VERIFIED_BLOCKS: (False, "verify mode: restored blocks whose GPU bytes were "
+                        "compared with the fingerprint of their source at store."),
+    M.VERIFY_MISMATCH_BLOCKS: (False, "verify mode: restored blocks whose fingerprint "
+                               "differs from the stored one (or that had none)."),
+}
+
+
 def metric_definitions() -> dict[str, Any]:
     """Definitions in the form OffloadingSpec.build_metric_definitions returns."""
-    from vllm.v1.kv_offload.base import (
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-    )
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 
-    C, G = OffloadingCounterMetadata, OffloadingGaugeMetadata
-    return {
-        M.LOOKUP_BLOCKS: C(documentation="Ion KV tier: blocks looked up in the host pool."),
-        M.LOOKUP_HIT_BLOCKS: C(documentation="Ion KV tier: looked-up blocks found in the "
-                               "host pool (ready or being written)."),
-        M.LOADED_BLOCKS: C(documentation="Ion KV tier: blocks restored host->GPU."),
-        M.STORED_BLOCKS: C(documentation="Ion KV tier: blocks written back GPU->host."),
-        M.STORE_DROPPED_BLOCKS: C(documentation="Ion KV tier: blocks not written back "
-                                  "because the writeback window was full (back-off)."),
-        M.STORE_NO_SPACE_BLOCKS: C(documentation="Ion KV tier: blocks not written back "
-                                   "because every host block was pinned by in-flight "
-                                   "transfers."),
-        M.STORE_AFTER_FINISH_BLOCKS: C(documentation="Ion KV tier: blocks refused because "
-                                       "vLLM offered them for a request that had already "
-                                       "finished (they hold the final sampled token, whose "
-                                       "KV was never computed)."),
-        M.EVICTED_BLOCKS: C(documentation="Ion KV tier: host blocks evicted (LRU)."),
-        M.HOST_USED_BYTES: G(documentation="Ion KV tier: host bytes holding blocks."),
-        M.HOST_USAGE_PERC: G(documentation="Ion KV tier: host pool usage (0..1)."),
-        M.INFLIGHT_STORE_PERC: G(documentation="Ion KV tier: writeback blocks in flight / "
-                                 "window size (0..1)."),
-        M.RING_BLOCKS: C(documentation="Ion KV tier worker: blocks written back through "
-                         "the HBM staging ring (GPU->ring->host)."),
-        M.SPILL_BLOCKS: C(documentation="Ion KV tier worker: blocks copied GPU->host "
-                          "directly because the ring was full (or is 0 MiB)."),
-        M.D2H_BYTES: C(documentation="Ion KV tier worker: bytes copied into host memory "
-                       "(ring drains and spills)."),
-        M.D2H_SECONDS: C(documentation="Ion KV tier worker: device time of those copies "
-                         "(d2h_bytes / d2h_seconds = the measured D2H rate)."),
-        M.VERIFIED_BLOCKS: C(documentation="Ion KV tier verify mode: restored blocks whose "
-                             "GPU bytes were fingerprinted after the host->GPU copy and "
-                             "compared with the fingerprint of their GPU source at store."),
-        M.VERIFY_MISMATCH_BLOCKS: C(documentation="Ion KV tier verify mode: restored blocks "
-                                    "whose fingerprint differs from the stored one (or that "
-                                    "had none): corrupted restores."),
-    }
+    return {name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
+                documentation="Ion KV tier: " + doc)
+            for name, (gauge, doc) in _DOCS.items()}
 
 
 @dataclass

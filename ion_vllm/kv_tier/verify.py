@@ -1,19 +1,11 @@
-"""Block verification (the ``verify`` key; a test mode, off by default: it costs GPU time
-and a host sync per finished load).
-
-* Store: on the stream that reads a block for its copy (the compute stream for a ring
-  piece, the drain stream for a spill), before the event that lets vLLM reuse the block,
-  the GPU SOURCE blocks are fingerprinted (``BlockFingerprinter``: the exact bytes the tier
-  copies, in host-row order), keyed by destination host block id; rewriting a host block
-  replaces its fingerprint.
-* Load: ``submit_load`` takes the current fingerprints of its host blocks; once the host ->
-  GPU copy is complete, the DESTINATION GPU blocks are fingerprinted on a stream of their
-  own, read back synchronously and compared.  Each block counts in ``verified_blocks``; one
-  that differs, or whose host block was never stored, also in ``verify_mismatch_blocks``,
-  and is logged at error level.
-
-This checks the data path (GPU -> ring -> host -> GPU bytes); which key lives in which
-host block is the manager's bookkeeping, checked by the scheduler tests.
+"""Block verification (the ``verify`` key; a test mode: GPU time and a host sync per
+finished load).  A store fingerprints its GPU source blocks on the stream that reads them,
+before vLLM may reuse them, keyed by host block id (a rewrite replaces the fingerprint);
+a load takes its host blocks' fingerprints at submit and, once its copy has completed,
+fingerprints the destination GPU blocks on a stream of its own, reads them back and
+compares: ``verified_blocks``, ``verify_mismatch_blocks`` (logged at error level).  This
+checks the bytes through ring, host pool and restore; which key lives in which host block
+is the manager's bookkeeping, checked by the scheduler tests.
 """
 
 from __future__ import annotations

@@ -1,52 +1,31 @@
-"""Worker side of the Ion KV tier: GPU -> HBM ring -> pinned host, host -> GPU.
-
-Layouts and copies: ``copies.py``.  Verify mode: ``verify.py``.
+"""Worker side of the Ion KV tier: GPU -> HBM ring -> pinned host, host -> GPU
+(docs/kv_tier.md, "The data path"; layouts and copies: copies.py; verify mode: verify.py).
 
 Store (one job = the new full blocks of one request in one step), issued inside vLLM's
-``submit_store`` call, before the step's forward pass is enqueued:
-1. Gather the GPU blocks into a contiguous run of ring slots on vLLM's compute stream, in
-   line with the forward pass that wrote them (one Triton launch, ``page_gather.py``; the
-   copier's gather where the kernel cannot run).
-2. Drain the run to the host rows on the drain stream, after (1): one copy per run of
-   consecutive host rows.
-3. Once the drain has completed, the slots go back to the ring (``_reclaim``).
-When the ring has no room for the rest of a job, the rest is copied GPU -> host at once on
-the drain stream, after the compute stream (a "spill"): the forward pass never waits for
-it, and a flush of that job waits for its PCIe copy, as vLLM's native worker's flush
-always does.  (The lab's "defer" policy waited for ring slots instead; on the H200 reuse
-benchmark the PCIe link then idled between steps and Ion lost to native.)
+``submit_store``, before the step's forward pass is enqueued: (1) gather the GPU blocks
+into a contiguous run of ring slots on vLLM's compute stream, in line with the forward
+pass that wrote them (``page_gather.py``); (2) drain the run to the host rows on the drain
+stream, after (1); (3) once the drain has completed, give the slots back (``_reclaim``).
+What the ring has no room for is copied GPU -> host at once on the drain stream, after the
+compute stream (a spill): the forward pass never waits for it.  The tier runs no kernel on
+a stream of its own: on the H100 a kernel on a second stream cost every later CUDA-graph
+kernel boundary ~0.4 us for the rest of the run.
 
-Completion: a store job is reported finished once every GPU source block has been read,
-i.e. after the gather of a ring piece and after the PCIe copy of a spill.  vLLM 0.26 then
-marks the host blocks loadable while a ring piece may still be draining.  That is safe
-because this worker owns every reader and writer of the host pool: a load, and any later
-write into a host block that was evicted and handed out again, waits on the device for the
-block's last pending write (``_host_pending``).  What it buys: vLLM answers a lookup of an
-unfinished store with HIT_PENDING and defers the request, delays a preempted request
-until its own store jobs are finished, and flushes (``wait``) unfinished jobs whose source
-blocks it reallocates; for ring pieces none of the three waits for PCIe.  The
-``TransferResult.transfer_time`` of a store is that time (the gather's, for a ring piece);
-the D2H rate is exported apart (``vllm:ion_kv_tier_d2h_bytes`` / ``_d2h_seconds``).
+A store job is reported finished once its GPU source blocks have been read (after the
+gather of a ring piece, after the PCIe copy of a spill), so vLLM's flushes, HIT_PENDING
+deferrals and preemption delays wait for an HBM copy, not for PCIe.  vLLM then marks the
+host blocks loadable while a drain may still run.  That is safe because this worker owns
+every reader and writer of the host pool: a load, and any later write into a host block
+that was evicted and handed out again, waits on the device for the block's last pending
+write (``_host_pending``).  The store's ``transfer_time`` is therefore the gather's; the
+D2H rate is exported apart (stats.py).
 
-Load: host -> GPU on the load stream, by the copier (the copy engines), ordered after any
-pending write of the same host blocks and NOT after the compute stream.  The destination
-blocks were just allocated to a request that computes nothing until the load is reported
-finished; the only writer that could still touch them is an in-flight step of the request
-that freed them (async scheduling), and vLLM 0.26 fences exactly that: with more than one
-batch in flight and a consumer connector (``kv_both``), ``Scheduler._free_request_blocks``
-defers freeing a finished or preempted request's blocks until its last scheduled step has
-been processed (``tests/test_kv_tier_scheduler.py`` checks it).  Ordering loads after the
-compute stream as well delayed every restore by up to one forward step (H200: TTFT p50
-634 ms against native's 535 ms).
-
-One compute stream: the tier runs no kernel on a stream of its own (the gather is on the
-compute stream, loads and drains are copy-engine copies).  Profiles on the H100 (thirtieth
-session) found that once a process has run a kernel on a second stream, every kernel
-boundary inside the decode steps' CUDA graphs idled ~0.4 us longer for the rest of the run
-(~1.8% of a decode step), the loss behind both of the tier's measured deficits then.  With
-these defaults the tier measured 1.012 +- 0.001 of vLLM's native offloading in total tok/s
-on the H200 (3 interleaved repeats) and 1.181x recompute
-(``bench/results/2026-12-06-h200/session32/``).
+Load: host -> GPU on the load stream through the copier (the copy engines), after any
+pending write of its host blocks and NOT after the compute stream: the destination blocks
+belong to a request that computes nothing until the load is reported, and vLLM 0.26 defers
+freeing a block while an in-flight step may still write it (``defer_block_free``, checked
+by tests/test_kv_tier_scheduler.py).  Waiting for the compute stream as well delayed every
+restore by up to one forward step on the H200.
 """
 
 from __future__ import annotations
@@ -73,7 +52,6 @@ from ion_vllm.kv_tier.copies import (
     BatchCopier,
     TorchCopier,
     batch_copier_available,
-    canonicalize_layer_caches,
     group_runs,
 )
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
@@ -83,8 +61,6 @@ from ion_vllm.kv_tier.trace_ranges import traced
 from ion_vllm.kv_tier.verify import BlockVerifier, FpBatch
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["IonKVTierWorker", "canonicalize_layer_caches"]
 
 
 @dataclass
