@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -13,6 +14,12 @@ from ion_vllm.bench.offload_configs import prometheus_sums
 
 bench = load_script("kv_tier_bench.py", "kv_tier_bench_script")
 preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_script")
+
+
+@pytest.fixture(autouse=True)
+def _temporary_folders_under_tmp_path(tmp_path, monkeypatch):
+    """The scripts' temporary folders (tempfile) go under pytest's tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def test_prometheus_sums_keeps_fractional_seconds():
