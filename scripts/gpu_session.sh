@@ -54,11 +54,17 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 # chain before the command after it (the tar of OUT) runs; the thirteenth session lost a
 # call's results that way.
 export ION_SESSION_T0=${ION_SESSION_T0:-$(date +%s)}
+# The copy this script made is removed when the chain ends (a snapshot handed in by the
+# caller through ION_SESSION_SNAPSHOT is the caller's and stays).
 if [ -z "${ION_SESSION_SNAPSHOT:-}" ]; then
-  snap=$(mktemp -d /tmp/ion-session-src.XXXXXX)
+  snap=$(mktemp -d "${TMPDIR:-/tmp}/ion-session-src.XXXXXX")
   tar -C . --exclude=./.gpu --exclude=./.git -cf - . | tar -C "$snap" -xf -
-  ION_SESSION_SNAPSHOT=$snap exec bash "$snap/scripts/gpu_session.sh" "$out"
+  ION_SESSION_SNAPSHOT=$snap ION_SESSION_SNAPSHOT_OWNED=1 exec bash "$snap/scripts/gpu_session.sh" "$out"
 fi
+if [ "${ION_SESSION_SNAPSHOT_OWNED:-}" = 1 ]; then
+  trap 'rm -rf -- "$ION_SESSION_SNAPSHOT"' EXIT
+fi
+unset ION_SESSION_SNAPSHOT_OWNED
 # MODEL: the served model; unset, the offline demo model at DEMO_MODEL (default
 # /tmp/ion-demo), made by scripts/make_demo_model.py when missing
 model=${MODEL:-${DEMO_MODEL:-/tmp/ion-demo}}

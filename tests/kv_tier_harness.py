@@ -395,6 +395,8 @@ class _Driver:
         gpu = [self.gpu_free.pop() for _ in keys]
         for b in gpu:
             self.kvm.scrub(b)
+        if self.device == "cuda":  # the garbage is old by the time vLLM loads into a block:
+            torch.cuda.current_stream().synchronize()  # loads wait for no compute work
         self.job_ctr += 1
         self.worker.submit_load(self.job_ctr, spec, GPULoadStoreSpec(
             gpu, group_sizes=[len(gpu)], block_indices=[0]))
