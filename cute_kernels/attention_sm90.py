@@ -353,7 +353,6 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         """A consumer warpgroup's walk over the CTA's items: main loop, then epilogue."""
         D = self.head_dim
         P = self.page
-        TPT = TILE_M // self.group_pad
         # consumer warpgroup w = 1.. computes rows 64*(w-1) .. +63 of the q tile from Q
         # buffer consumers * stage + (w - 1)
         ctid = tidx - 128

@@ -178,9 +178,13 @@ class Sm90Producer:
                 cute.copy(tma_vf, tVgVf[(None, 0, 0, h)], tVsVf[(None, v_handle.index)],
                           tma_bar_ptr=v_handle.barrier)
                 # owner: the q tile holding new token min(k*P+P-1, q_len-1); of the G
-                # unpacked items holding it, q head 0
+                # unpacked items holding it, q head 0.  A tile past the step's new tokens
+                # exists only in a plan made from host lengths ahead of the device's (async
+                # speculative decoding): its keys are masked and it is never stored.
                 t_own = cutlass.min(kt * P + P - 1, q_len - 1)
                 if qh > 0:
+                    t_own = cutlass.Int32(-1)
+                if kt * P >= q_len:
                     t_own = cutlass.Int32(-1)
                 if t_own >= q_start:
                     if t_own < q_start + q_cnt:

@@ -18,16 +18,16 @@ Split-KV partial-output layout (shared with the kernel and its combine pass):
     row (``base + s * ntok * Gp``), ``-1`` for unsplit items.
 
 Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col ``QHEAD``):
-  * A packed item (col 8 = -1) is today's q tile: ``tokens_per_tile = tile_m // Gp`` tokens
-    times ``Gp`` q heads.  An unpacked item (col 8 = g >= 0) is ONE q head ``h * G + g`` times
-    ``tile_m`` (64) consecutive new tokens of the request (cols 2/3 in tokens as always), so
+  * A packed item (QHEAD = -1) is a q tile of ``tokens_per_tile = tile_m // Gp`` tokens
+    times ``Gp`` q heads.  An unpacked item (QHEAD = g >= 0) is ONE q head ``h * G + g`` times
+    ``tile_m`` consecutive new tokens of the request (QSTART/QLEN in tokens as always), so
     no MMA row is GQA padding.
   * Rule: a request is tiled unpacked iff ``G < Gp`` (padding exists), ``q_len >= tile_m``
     and the cost model (``CostModel.item_us`` summed over the request's tiles of one KV
     head) rates the G unpacked tilings cheaper than the packed one (e.g. G = 7: q = 64 ->
     7 tiles instead of 8; q = 65 -> 14 instead of 9, stays packed).  Decode rows and every
     request with ``G == Gp`` stay packed, so one launch still serves mixed batches.
-  * Unpacked items split KV like packed ones (v18).  The G unpacked tiles of one (request,
+  * Unpacked items split KV like packed ones.  The G unpacked tiles of one (request,
     KV head, token range of ``ntok`` tokens) have the same pages and so the same split
     count ``S``; together they own ``S * ntok * Gp`` workspace rows from ``base``, cut into
     *chunks* of ``c = 64 // Gp`` tokens (a 64-row packed tile's tokens), each one combine
@@ -153,10 +153,12 @@ def fresh_tile_owned(q_start, q_cnt, q_len, k, page_size: int = PAGE_SIZE, q_hea
     8, optional): unpacked items (``q_head >= 0``) of the G q heads of one KV head all hold
     that token, so only ``q_head == 0`` owns (packed items have -1).  Vectorized; the unit
     range test is the caller's (the kernel asks only for units it processes)."""
-    t = np.minimum(np.asarray(k, dtype=np.int64) * page_size + page_size - 1,
-                   np.asarray(q_len, dtype=np.int64) - 1)
+    k = np.asarray(k, dtype=np.int64)
+    q_len = np.asarray(q_len, dtype=np.int64)
+    t = np.minimum(k * page_size + page_size - 1, q_len - 1)
     q_start = np.asarray(q_start, dtype=np.int64)
     own = (t >= q_start) & (t < q_start + np.asarray(q_cnt, dtype=np.int64))
+    own = own & (k * page_size < q_len)  # no tile past the new tokens (see the kernel)
     if q_head is not None:
         own = own & (np.asarray(q_head, dtype=np.int64) <= 0)
     return own
@@ -237,14 +239,13 @@ class Plan:
     partial_offsets: np.ndarray  # int32 [n_items], first partial row of a split item, -1 if unsplit
     combine: np.ndarray  # int32 [n_groups, COMBINE_COLS]: split groups (worklist.py)
     modeled_us: float  # max(cta_cost) + combine pass (if any split)
-    # True: cols 4/5 index KV *units* (old pages, then fresh tiles) for the fused
-    # writeback kernel (docs/contract.md, "Fused KV writeback"); False: cache pages.
+    # True: P0/P1 index KV *units* (old pages, then fresh tiles) for the fused-writeback
+    # kernel (docs/contract.md); False: cache pages.
     fresh_kv: bool = False
-    # True: made with unpacked_prefill=True (col 8 may hold q heads >= 0: the kernel
-    # variant IonAttentionSm90(unpacked_prefill=True) must run it)
+    # True: made with unpacked_prefill=True (QHEAD may hold q heads >= 0)
     unpacked: bool = False
-    # MMA rows of a q tile: 64 (IonAttentionSm90 default) or 128 (consumers=2 variant);
-    # packed tiles hold tile_m // Gp tokens, unpacked tiles tile_m tokens
+    # MMA rows of a q tile (64, 128 or 192: KernelOptions.tile_m); packed tiles hold
+    # tile_m // Gp tokens, unpacked tiles tile_m tokens
     tile_m: int = 64
 
     @property
@@ -553,8 +554,6 @@ def plan(
     # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
     # must beat the no-split makespan by split_min_gain: prune when that is impossible.
     s_cap = np.minimum(max_splits, n_pages)
-    if gp > 64:  # unpacked workspace chunks hold 64 // Gp tokens
-        s_cap = np.where(tile_unp, 1, s_cap)
     # partial workspace rows a tile's split group takes per split: ntok * Gp rows (packed
     # rows are t * Gp + g); the G unpacked tiles of one token range share one group, which
     # its q head 0 tile counts

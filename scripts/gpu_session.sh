@@ -18,7 +18,7 @@
 #            (passed to vllm serve), STARTUP_S (2400)
 #   agree    scripts/e2e_agreement.py on the tiny real-weight model (AGREE_ARGS)
 #   kvgpu    the KV tier's GPU tests (tests/test_kv_tier_gpu.py)
-#   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS ion,ion-defer,native,
+#   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS native-default,ion,none,
 #            KVTIER_REPEATS 3, KVTIER_S 720, KVTIER_ARGS); cut short, its finished repeats
 #            are rebuilt into results (--from-repeats)
 #   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
@@ -159,7 +159,7 @@ fi
 if want kvtier; then
   # shellcheck disable=SC2086  # KVTIER_ARGS is a list of flags
   step kvtier "${KVTIER_S:-720}" python3 scripts/kv_tier_bench.py "$model" --colocate \
-    --repeats "${KVTIER_REPEATS:-3}" --configs "${KVTIER_CONFIGS:-ion,ion-defer,native}" \
+    --repeats "${KVTIER_REPEATS:-3}" --configs "${KVTIER_CONFIGS:-native-default,ion,none}" \
     ${KVTIER_ARGS:-} --out "$out/kvtier"
   if [ "$dry" != 1 ] && ! grep -q "kvtier       rc=0" "$out/steps.txt" \
       && [ -s "$out/kvtier/repeats.jsonl" ]; then

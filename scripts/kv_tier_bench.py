@@ -2,60 +2,13 @@
 """GPU benchmark of the Ion KV tier on a multi-turn, shared-prefix workload
 whose reuse set is several times the HBM KV pool.
 
-Configs (each in a fresh process): `none` (no offload), `native` (vLLM
-OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored
-too so both tiers hold the same data), `native-default` (the same with vLLM's
-defaults: prompt blocks only, so a returning turn recomputes the previous answer's
-blocks), `ion` (OffloadingConnector + IonKVTier, its
-defaults), and Ion variants for A/B (ION_CONFIGS): `ion-defer` (ring_overflow=defer,
-the policy before 2026-11-29's fifth session), `ion-host` (store_completion=host, the
-completion point before the sixth), `ion-noring` (ring_mib=0: no staging ring, every
-block copied GPU -> host directly, i.e. native's data path under Ion's manager),
-`ion-tensor` (host_layout=tensor: one host region per KV tensor, runs of consecutive
-blocks copied as one descriptor), `ion-cegather` (ring_gather=copier: the GPU -> ring
-copies on the copy engines, the data path before the seventh session), `ion-ceload`
-(load_copy=copier: host -> GPU loads on the copy engines, the data path before the
-twenty-first session), `ion-prompt-only` (offload_prompt_only=True: vLLM's default
-policy on Ion's data path, to tell the eager policy's cost from the implementation's),
-`ion-finish` (issue_at=finish: transfers issued at the worker's next get_finished, after
-the step's forward pass is enqueued, instead of inside vLLM's submit calls), `ion-submit`
-(issue_at=submit: issued inside the submit calls; named explicitly so that it stays that
-path whichever issue point is the default), `ion-staged` (id_upload=staged: the copy
-kernels' block ids through a persistent pinned buffer, not a pinned tensor per launch),
-`ion-finish-staged` (both), `ion-delay-submit` / `ion-delay-finish` (a test-only probe:
-2 ms of extra host time per store job, in `submit_store` or in the next `get_finished`, to
-measure how much of the engine loop's host time reaches the wall time), `ion-raw` /
-`ion-torch` (issue_api: the copies issued through explicit stream handles, compiled Triton
-launchers and cudaMemcpyAsync, or through PyTorch and Triton's front ends; named
-explicitly so that each stays that path whichever is the default), and the ring path's
-shape, the suspects of Ion's turn-1 cost (twenty-sixth session): `ion-chunkdrain`
-(drain_chunk_kib=128: the ring drain as copies of at most 128 KiB, the size of the
-direct path's page copies), `ion-gather-normal` (gather_priority=normal: the GPU -> ring
-gather at the compute stream's priority) and `ion-ringsmall` (ring_max_job_blocks=4: bulk
-prompt stores copied GPU -> host directly, the ring kept for jobs of up to 4 blocks);
-none of the three moved turn 1 (twenty-seventh session: the cost follows ring pieces, ~1
-ms each, not bytes), so two more: `ion-hostids` (gather_ids=host: the gather kernel reads
-its block ids from pinned host memory, no host -> device copy per piece) and
-`ion-gather-drain` (gather_stream=drain: the gather queued on the drain stream, no stream
-of its own); and `ion-batch` (store_batch_blocks=8, store_batch_steps=32: decode stores
-held and issued together, about four to a ring piece at this workload's rate of one store
-every ~8 steps), which tests the per-piece reading without naming the mechanism. None of
-the three moved turn 1 either (twenty-eighth session: the cost does not follow pieces), so
-`ion-ring1` (ring_mib=4: a ring of one slot, which only one-block jobs fit, one at a time)
-asks whether it follows the ring's size, with `ion-cegather` (no gather kernel). Both
-cost as much as the full ring (twenty-ninth session), so `ion-ringidle` (ring_idle: the
-256 MiB ring allocated and its gather compiled, every block copied GPU -> host directly,
-as `ion-noring` does) separates the ring's presence from its use. The thirtieth session's
-profiles tied both of Ion's losses to kernels on streams other than the compute stream
-(worker.py, "One compute stream"), so three configs test that: `ion-gather-compute`
-(gather_stream=compute: the ring gather on the compute stream), `ion-noring-ceload`
-(ring_mib=0, load_copy=copier: no ring and loads on the copy engines, no side kernel at
-all) and `ion-onestream` (both changes with the ring: the tier's only kernel on the
-compute stream). `ion-onestream` measured 1.010 ± 0.004 of native-default's total tok/s
-(thirty-first session, H100), so its two keys are the defaults since then; the configs
-that name stream keys name both, so that each stays the path it measured:
-`ion-sidestreams` (gather_stream=own, load_copy=auto: the defaults until the thirty-first
-session) and `ion-ceload` / `ion-gather-compute` as they were measured.
+Configs (each in a fresh process): `none` (no offload: recompute), `native` (vLLM
+OffloadingConnector + CPUOffloadingSpec, same host size, decode blocks stored too so both
+tiers hold the same data), `native-default` (the same with vLLM's defaults: prompt blocks
+only, so a returning turn recomputes the previous answer's blocks) and `ion`
+(OffloadingConnector + IonKVTier, its defaults; `--ring-mib` sets its ring).  The record
+of the current defaults on the H200: bench/results/2026-12-06-h200/session32/.  The lab's
+Ion variants (each a config key since removed) are at tag lab-2026-12.
 
 Workload: C conversations, each with its own long context; T turns; turn t of
 every conversation is prompt = context + all previous turns (user tokens +
@@ -69,17 +22,14 @@ out of HBM by the others.
 
 Defaults (8k contexts, 32 generated tokens per turn, CUDA graphs on) make the
 returning turns' prefill the dominant cost, which is what a KV tier exists to save.
-The first H200 run (2026-11-29) used 2k contexts, 128 generated tokens and
---enforce-eager: its time went to eager decode steps, recompute was the fastest config
-(bench/results/2026-11-29-h200/kv-tier/bench-eager), and it measured the wrong thing.
 
 Reports TTFT p50/p99, mean TTFT, the TTFT p50 of the returning turns (2 and later) and
 per turn (the p50 over all requests is bimodal on the 3-turn workload), output tok/s, total tok/s, the share of prompt tokens served
 from a cache (``cached_frac``: vLLM's per-request ``num_cached_tokens`` over prompt tokens,
 overall and per turn), the host hit rate of lookups (vLLM's
-external_prefix_cache_hits / _queries, counted per lookup: the H200 run of 2026-12-01
-measured 0.45 there while 0.99 of turns 2-3's prompt tokens, ~0.656 of all, came from the
-tier; what dilutes the lookup count on the GPU is not pinned down yet), measured
+external_prefix_cache_hits / _queries, counted per lookup, which reads lower than the
+token share: 0.45 on the H200 where 0.99 of turns 2-3's prompt tokens came from the
+tier), measured
 D2H and H2D GB/s (H2D: vLLM's kv_offload_load_{bytes,time}; D2H: the Ion worker's
 own ion_kv_tier_d2h_{bytes,seconds} when present, since an Ion store is reported
 finished once its sources are read, else vLLM's kv_offload_store_{bytes,time});
@@ -100,37 +50,8 @@ import time
 
 
 #: Ion tier configs -> the kv_connector_extra_config keys they set over the spec's
-#: defaults (ion_vllm/kv_tier/spec.py, worker.py)
-ION_CONFIGS = {
-    "ion": {},
-    "ion-defer": {"ring_overflow": "defer"},
-    "ion-host": {"store_completion": "host"},
-    "ion-noring": {"ring_mib": 0},
-    "ion-tensor": {"host_layout": "tensor"},
-    "ion-cegather": {"ring_gather": "copier"},
-    "ion-ceload": {"gather_stream": "own", "load_copy": "copier"},
-    "ion-prompt-only": {"offload_prompt_only": True},
-    "ion-finish": {"issue_at": "finish"},
-    "ion-submit": {"issue_at": "submit"},
-    "ion-staged": {"id_upload": "staged"},
-    "ion-finish-staged": {"issue_at": "finish", "id_upload": "staged"},
-    "ion-delay-submit": {"host_delay_us": 2000, "host_delay_at": "submit"},
-    "ion-delay-finish": {"host_delay_us": 2000, "host_delay_at": "finish"},
-    "ion-raw": {"issue_api": "raw"},
-    "ion-torch": {"issue_api": "torch"},
-    "ion-chunkdrain": {"drain_chunk_kib": 128},
-    "ion-gather-normal": {"gather_stream": "own", "gather_priority": "normal"},
-    "ion-ringsmall": {"ring_max_job_blocks": 4},
-    "ion-hostids": {"gather_ids": "host"},
-    "ion-gather-drain": {"gather_stream": "drain"},
-    "ion-batch": {"store_batch_blocks": 8, "store_batch_steps": 32},
-    "ion-ring1": {"ring_mib": 4},
-    "ion-ringidle": {"ring_idle": True},
-    "ion-gather-compute": {"gather_stream": "compute", "load_copy": "auto"},
-    "ion-onestream": {"gather_stream": "compute", "load_copy": "copier"},
-    "ion-noring-ceload": {"ring_mib": 0, "load_copy": "copier"},
-    "ion-sidestreams": {"gather_stream": "own", "load_copy": "auto"},
-}
+#: defaults (ion_vllm/kv_tier/config.py)
+ION_CONFIGS = {"ion": {}}
 CONFIGS = ("none", "native", "native-default", *ION_CONFIGS)
 
 
@@ -176,8 +97,6 @@ def child(cfg: dict) -> dict:
         kw["attention_backend"] = cfg["backend"]
     if cfg.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
-    if cfg.get("profile_dir"):
-        kw["profiler_config"] = profiler_config(cfg)
     ktc = offload_transfer_config(cfg["name"], int(cfg["host_gib"] * (1 << 30)),
                                   cfg["ring_mib"])
     if ktc is not None:
@@ -198,107 +117,10 @@ def child(cfg: dict) -> dict:
             ready_then_wait(cfg["gate_dir"], cfg["name"], r)
         runs.append(run_workload(llm, sp, cfg, cfg["seed"] + r))
         log_repeat(cfg, runs[-1])
-    out = combine_repeats(cfg["name"], runs)
-    if cfg.get("profile_dir"):  # after the timed repeats: never inside one
-        if cfg.get("gate_dir"):  # --colocate: a round of its own, never beside a timed one
-            from ion_vllm.bench.start_gate import ready_then_wait
-
-            ready_then_wait(cfg["gate_dir"], cfg["name"], cfg.get("repeats", 1))
-        out["profiled_wave_s"] = profile_wave(llm, sp, cfg)
-        out["profiled_turn"] = int(cfg.get("profile_turn", 1))
-    return out
+    return combine_repeats(cfg["name"], runs)
 
 
-def profiler_config(cfg: dict):
-    """vLLM's torch profiler for ``--profile-dir``: its trace of one wave goes to
-    ``<profile_dir>/<config>``; it records ``profile_steps`` engine steps after skipping
-    ``profile_delay`` (past the wave's first prefills, into the steps where requests decode
-    while others are admitted, prefilled and stored)."""
-    from vllm.config.profiler import ProfilerConfig
 
-    return ProfilerConfig(
-        profiler="torch", torch_profiler_dir=os.path.join(cfg["profile_dir"], cfg["name"]),
-        torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False,
-        ignore_frontend=True, delay_iterations=cfg["profile_delay"],
-        max_iterations=cfg["profile_steps"])
-
-
-def profile_prompts(cfg: dict, generate) -> list[list[int]]:
-    """The prompts of the profiled wave: turn ``profile_turn`` (default 1) of one wave of
-    fresh conversations (seed + 1000).  For a later turn T, turns 1 .. T-1 run first,
-    unprofiled, through ``generate(prompts) -> outputs`` (token lists), over two waves of
-    conversations where there are that many, so that the second pushes the first out of
-    HBM as in the timed workload; the profiled wave is then the first wave's turn T, its
-    earlier turns in the tier or the GPU cache as a returning wave's are."""
-    rng = random.Random(cfg["seed"] + 1000)
-    n = min(cfg["wave"], cfg["conversations"])
-    turn = int(cfg.get("profile_turn", 1))
-    if turn == 1:  # as before 2026-12-06's twenty-ninth session: one draw per prompt
-        return [[rng.randrange(10, cfg["vocab"]) for _ in range(cfg["context_len"]
-                                                               + cfg["user_len"])]
-                for _ in range(n)]
-    tok = lambda k: [rng.randrange(10, cfg["vocab"]) for _ in range(k)]  # noqa: E731
-    k = min(2 * n, cfg["conversations"])
-    convs = [tok(cfg["context_len"]) for _ in range(k)]
-    for _ in range(turn - 1):
-        for w in range(0, k, n):
-            idx = list(range(w, min(w + n, k)))
-            for i in idx:
-                convs[i] = convs[i] + tok(cfg["user_len"])
-            for i, out in zip(idx, generate([convs[i] for i in idx])):
-                convs[i] = convs[i] + list(out)
-    return [convs[i] + tok(cfg["user_len"]) for i in range(n)]
-
-
-def profile_wave(llm, sp, cfg: dict) -> float:
-    """One untimed wave under the profiler (``profile_prompts``: turn ``profile_turn``,
-    after its earlier turns ran unprofiled); returns its wall seconds (profiled, so not
-    comparable with the timed runs)."""
-    from vllm.inputs import TokensPrompt
-
-    def generate(prompts):
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                           use_tqdm=False)
-        return [r.outputs[0].token_ids for r in res]
-
-    prompts = profile_prompts(cfg, generate)
-    llm.start_profile(profile_prefix=cfg["name"])
-    t0 = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    llm.stop_profile()
-    return wall
-
-
-def profile_summary(profile_dir: str, name: str, timeline_dir: str | None = None
-                    ) -> dict | None:
-    """The stream report (``ion_vllm.bench.stream_trace.summarize``) of config ``name``'s
-    profiled wave, with its compute stream's idle time at every gap size
-    (``gap_profile.summarize_gaps``, under ``gaps``): its trace file under
-    ``<profile_dir>/<name>`` (the newest, when several), or None when there is none.
-    With ``timeline_dir``, the wave's kernels also go to ``<timeline_dir>/timeline-<name>
-    .npz`` (``gap_profile.save_timeline``: ~1 MB, where the trace is hundreds)."""
-    import glob
-
-    from ion_vllm.bench import gap_profile
-    from ion_vllm.bench.stream_trace import gpu_activities, load_trace, summarize
-
-    paths = sorted(glob.glob(os.path.join(profile_dir, name, "**", "*.pt.trace.json*"),
-                             recursive=True), key=os.path.getmtime)
-    if not paths:
-        return None
-    trace = load_trace(paths[-1])
-    acts = gpu_activities(trace)
-    rep = summarize(trace, acts=acts)
-    rep["trace"] = os.path.relpath(paths[-1], profile_dir)
-    cs = rep["compute_stream"]
-    if cs is not None:
-        rep["gaps"] = gap_profile.summarize_gaps(acts, cs)
-        if timeline_dir:
-            path = os.path.join(timeline_dir, f"timeline-{name}.npz")
-            gap_profile.save_timeline(path, acts, cs)
-            rep["timeline"] = os.path.basename(path)
-    return rep
 
 
 def log_repeat(cfg: dict, run: dict) -> None:
@@ -337,7 +159,7 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     from ion_vllm.bench.gpu_busy import GpuBusySampler
-    from ion_vllm.kv_tier.stats import prometheus_sums
+    from ion_vllm.bench.offload_configs import prometheus_sums
 
     rng = random.Random(seed)
     vocab = cfg["vocab"]
@@ -487,13 +309,11 @@ MEAN_FIELDS = ("wall_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "ttft_p50
 
 def combine_repeats(name: str, runs: list[dict]) -> dict:
     """One config's result: the mean of each MEAN_FIELDS entry over its repeats (None when
-    any repeat has none, or there are no repeats: ``--repeats 0`` with ``--profile-dir``
-    runs the profiled wave alone), min/max of throughput and TTFT p50, the per-repeat
-    records, and summed token counts and tier metrics."""
+    any repeat has none), min/max of throughput and TTFT p50, the per-repeat records, and
+    summed token counts and tier metrics."""
     out: dict = {"config": name, "repeats": len(runs), "runs": runs}
     for k in MEAN_FIELDS:
         vals = [r.get(k) for r in runs]
-        # none without repeats (--repeats 0: the profiled wave only)
         out[k] = None if not vals or any(v is None for v in vals) else sum(vals) / len(vals)
     for k in ("total_tok_s", "ttft_p50_ms"):
         out[k + "_min"] = min((r[k] for r in runs), default=None)
@@ -544,9 +364,7 @@ def run_colocated(base: dict, names: list[str], on_result, rotate: bool = True) 
             else:
                 on_result({"config": name, "error": f"child exited {rc}"})
 
-        # --profile-dir: one more round, the profiled wave (see child)
-        rounds = base.get("repeats", 1) + (1 if base.get("profile_dir") else 0)
-        run_gated(children, d, on_done=done, rounds=rounds, rotate=rotate)
+        run_gated(children, d, on_done=done, rounds=base.get("repeats", 1), rotate=rotate)
 
 
 def fmt(v, nd=1):
@@ -594,7 +412,6 @@ def write_results(out, meta, results, args, kv_bytes, reuse) -> list[str]:
     lines += step_table(results)
     lines += turn_table(results, args)
     lines += phase_table(results)
-    lines += profile_lines(results)
     lines += ["", "prompt from cache: prompt tokens served from the GPU prefix cache or the "
               "tier / prompt tokens. host hit (lookups): vLLM's external prefix-cache hits / "
               "queries, counted per lookup."]
@@ -685,76 +502,6 @@ def phase_table(results: list[dict]) -> list[str]:
                          lambda c: " / ".join(f"{x:.1f}" for x in c))
 
 
-def profile_lines(results: list[dict]) -> list[str]:
-    """The profiled wave of each config (``--profile-dir``): the compute stream's span,
-    busy share and long gaps; the other streams' kernel, host->GPU and GPU->host time;
-    and the three heaviest compute kernels' mean duration beside other streams' activity
-    over alone.  Empty without profiles."""
-    rows = [r for r in results if r.get("profile")]
-    if not rows:
-        return []
-    turn = rows[0].get("profiled_turn", 1)
-    out = ["", f"Profiled wave (torch profiler, one untimed wave of turn {turn}; times in "
-           "ms):", "",
-           "| config | compute span | compute busy | gaps >= 100 us (ms) | other streams: "
-           "kernels / HtoD / DtoH | heaviest compute kernels: busy / alone mean |",
-           "|---|---|---|---|---|---|"]
-    for r in rows:
-        p = r["profile"]
-        c = p["compute"]
-        side = [s for s in p["streams"] if s["stream"] != p["compute_stream"]]
-
-        def tot(k: str) -> float:
-            return sum(s.get(k, 0.0) for s in side) / 1e3
-
-        ov = "; ".join(f"{o['kernel'][:24]} {o['ratio']:.3f}" for o in p["overlap"][:3]
-                       if o["ratio"] is not None) or "-"
-        out.append(f"| {r['config']} | {c['span_us'] / 1e3:.1f} | {c['busy_share']:.3f} | "
-                   f"{c['long_gaps']} ({c['long_gap_us'] / 1e3:.1f}) | "
-                   f"{tot('kernel_us'):.1f} / {tot('HtoD_us'):.1f} / {tot('DtoH_us'):.1f} | "
-                   f"{ov} |")
-    hosts = [r for r in rows if r["profile"].get("host")]
-    if hosts:
-        from ion_vllm.bench.stream_trace import ION_PREFIX
-
-        g = hosts[0]["profile"]["host"]["gap_threshold_us"]
-        out += ["", f"Who made the compute stream's gaps of {g:g} us or more (host: the "
-                "next launch came after the stream went idle; ms, with counts), the host's "
-                "busiest events during the host's part, and the Ion KV tier's ranges:", "",
-                "| config | gaps | host late | device | host during its late part | "
-                "ion_kv ranges (count, mean us) |", "|---|---|---|---|---|---|"]
-        for r in hosts:
-            h = r["profile"]["host"]
-            during = "; ".join(f"{d['name'][:32]} {d['us'] / 1e3:.1f}"
-                               for d in h["during_host_late"][:4]) or "-"
-            ion = "; ".join(f"{a['name'].removeprefix(ION_PREFIX)} "
-                            f"{a['count']}x{a['us'] / a['count']:.0f}"
-                            for a in h.get("ion_ranges", []) if a["count"]) or "-"
-            out.append(f"| {r['config']} | {h['gaps']} ({h['gap_us'] / 1e3:.1f}) | "
-                       f"{h['host_late']} ({h['host_late_us'] / 1e3:.1f}) | "
-                       f"{h['device']} ({h['device_us'] / 1e3:.1f}) | {during} | {ion} |")
-    sides = [r for r in rows if r["profile"].get("side")]
-    if sides:
-        sd = sides[0]["profile"]["side"]
-        out += ["", f"The same gaps by the other streams' work near them (running in the gap "
-                f"or in the {sd['lead_us']:g} us before it; a gap near several counts for "
-                "each; ms, with counts, and each stream's pieces in all):", "",
-                "| config | gaps | near no side work | near (stream kind: gaps, ms, of "
-                "pieces) |", "|---|---|---|---|"]
-        for r in sides:
-            sd = r["profile"]["side"]
-            near = "; ".join(f"{x['stream']} {x['kind']}: {x['gaps']}, "
-                             f"{x['gap_us'] / 1e3:.1f}, of {x['pieces']}"
-                             for x in sd["by_side"][:4]) or "-"
-            out.append(f"| {r['config']} | {sd['gaps']} ({sd['gap_us'] / 1e3:.1f}) | "
-                       f"{sd['alone']} ({sd['alone_us'] / 1e3:.1f}) | {near} |")
-    from ion_vllm.bench.gap_profile import markdown_lines
-
-    out += markdown_lines([(r["config"], r["profile"]["gaps"]) for r in rows
-                           if r["profile"].get("gaps")])
-    return out
-
-
 def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float | None, int] | None:
     """Mean and sample standard deviation of the per-repeat ratios a/b of ``key`` (repeat
     i of ``a`` against repeat i of ``b``: they ran interleaved, so a pair shares the
@@ -819,10 +566,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--attention-backend", default="ION")
-    ap.add_argument("--configs", default="ion,native,none",
-                    help=f"run order, from {', '.join(CONFIGS)} (ion-defer: the Ion tier with "
-                         "ring_overflow=defer); results are written after each, so a run cut "
-                         "short by a time limit keeps the first ones")
+    ap.add_argument("--configs", default="ion,native-default,none",
+                    help=f"run order, from {', '.join(CONFIGS)}; results are written after "
+                         "each, so a run cut short by a time limit keeps the first ones")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--reuse-over-hbm", type=float, default=4.0,
                     help="when sizing the HBM pool: reuse set / HBM pool")
@@ -837,8 +583,7 @@ def main() -> int:
     ap.add_argument("--wave", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1,
                     help="workload passes per config on the same engine, each with its own "
-                         "conversations (seed + r); the table shows means and min-max; 0 "
-                         "(with --profile-dir): the profiled wave only, no timed pass")
+                         "conversations (seed + r); the table shows means and min-max")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--colocate", action="store_true",
                     help="start every config's engine at once (each with 1/n of the GPU "
@@ -849,27 +594,10 @@ def main() -> int:
                     help="--colocate: the configs' order in each round; rotate (round r "
                          "starts at config r mod n: no config always runs first) or fixed "
                          "(the --configs order every round, as before 2026-12-06)")
-    ap.add_argument("--profile-dir", default=None,
-                    help="after the timed repeats, profile one untimed wave (of "
-                         "--profile-turn) per config with vLLM's torch profiler (traces "
-                         "under DIR/<config>) and report its CUDA streams "
-                         "(ion_vllm/bench/stream_trace.py, gap_profile.py)")
-    ap.add_argument("--profile-delay", type=int, default=400,
-                    help="engine steps of the profiled wave skipped before recording")
-    ap.add_argument("--profile-steps", type=int, default=300,
-                    help="engine steps recorded")
-    ap.add_argument("--profile-turn", type=int, default=1,
-                    help="the turn of the profiled wave: 1 (cold prompts) or a returning "
-                         "turn, after the earlier turns ran unprofiled (give "
-                         "--profile-delay 0 to record the wave's start, where its "
-                         "requests load or recompute their history)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.repeats < 0 or (args.repeats == 0 and not args.profile_dir):
-        ap.error("--repeats must be >= 1, or 0 with --profile-dir (a profiled wave only)")
-    if not 1 <= args.profile_turn <= args.turns:
-        ap.error(f"--profile-turn must be in 1..--turns ({args.turns}): the engine's "
-                 "max_model_len is sized for --turns")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     unknown = [n for n in args.configs.split(",") if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {CONFIGS}")
@@ -895,11 +623,7 @@ def main() -> int:
                 conversations=args.conversations, context_len=args.context_len,
                 user_len=args.user_len, max_tokens=args.max_tokens, turns=args.turns,
                 wave=args.wave, vocab=hf.vocab_size, seed=0,
-                enforce_eager=args.enforce_eager, repeats=args.repeats, out=out,
-                profile_dir=(os.path.abspath(args.profile_dir) if args.profile_dir
-                             else None),
-                profile_delay=args.profile_delay, profile_steps=args.profile_steps,
-                profile_turn=args.profile_turn)
+                enforce_eager=args.enforce_eager, repeats=args.repeats, out=out)
     meta = {"model": args.model, "attention_backend": args.attention_backend,
             "hbm_kv_pool_bytes": kv_bytes, "reuse_set_bytes": reuse,
             "reuse_over_hbm": reuse / kv_bytes, "host_gib": args.host_gib,
@@ -916,13 +640,6 @@ def main() -> int:
 
     def record(res: dict) -> None:
         nonlocal lines
-        if args.profile_dir and "error" not in res:  # the child has exited: trace written
-            try:
-                res["profile"] = profile_summary(os.path.abspath(args.profile_dir),
-                                                 res["config"], timeline_dir=out)
-            except Exception as e:  # a broken trace must not lose the timed results
-                res["profile"] = None
-                res["profile_error"] = repr(e)
         results.append(res)
         print(json.dumps(res, indent=1), flush=True)
         # written after every config, so a run cut short still leaves the finished ones

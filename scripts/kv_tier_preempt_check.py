@@ -16,7 +16,7 @@ not tell a corrupted block from a changed batch.  ``--control always`` adds a se
 no-offload run with half the concurrency: it must match too, which shows the
 comparison is batch-free (it runs by default only after a mismatch).
 
-``--verify`` (Ion tier only) runs the tier child with ION_KV_TIER_VERIFY=1: the
+``--verify`` (Ion tier only) runs the tier child with the tier's ``verify`` key: the
 worker fingerprints every stored block from its GPU source and every restored
 block in its GPU destination, and counts restored blocks checked
 (``verified_blocks``) and those that differ (``verify_mismatch_blocks``),
@@ -55,8 +55,9 @@ import tempfile
 def child(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    from ion_vllm.kv_tier.stats import prometheus_sums
     from vllm.inputs import TokensPrompt
+
+    from ion_vllm.bench.offload_configs import prometheus_sums
 
     kw = dict(model=cfg["model"], seed=0, enforce_eager=cfg["enforce_eager"],
               skip_tokenizer_init=True,
@@ -82,8 +83,9 @@ def child(cfg: dict) -> dict:
 
 
 def offload_config(cfg: dict) -> dict:
-    """--kv-transfer-config of the run with offloading: the Ion tier, or (``spec:
-    native``) vLLM's own CPUOffloadingSpec with decode blocks stored too, for comparison."""
+    """--kv-transfer-config of the run with offloading: the Ion tier (with block
+    verification when ``verify``), or (``spec: native``) vLLM's own CPUOffloadingSpec with
+    decode blocks stored too, for comparison."""
     from ion_vllm.bench.offload_configs import offload_transfer_config
 
     host = int(cfg["host_gib"] * (1 << 30))
@@ -92,7 +94,8 @@ def offload_config(cfg: dict) -> dict:
     from ion_vllm.kv_tier import register_kv_tier
 
     register_kv_tier()
-    return offload_transfer_config("ion", host, ring_mib=cfg["ring_mib"])
+    extra = {"verify": True} if cfg.get("verify") else {}
+    return offload_transfer_config("ion", host, ring_mib=cfg["ring_mib"], **extra)
 
 
 def make_prompts(n: int, vocab: int, prefix_len: int, suffix_len: int, n_prefixes: int,
@@ -103,7 +106,6 @@ def make_prompts(n: int, vocab: int, prefix_len: int, suffix_len: int, n_prefixe
             for i in range(n)]
 
 
-VERIFY_ENV = "ION_KV_TIER_VERIFY"
 M_VERIFIED = "vllm:ion_kv_tier_verified_blocks"
 M_VERIFY_MISMATCH = "vllm:ion_kv_tier_verify_mismatch_blocks"
 
@@ -123,9 +125,6 @@ def child_env(cfg: dict) -> dict:
         env.update(FP32_STRICT_ENV)
     if cfg.get("batch_invariant", True):
         env["VLLM_BATCH_INVARIANT"] = "1"
-    env.pop(VERIFY_ENV, None)  # only the run asked to verify does
-    if cfg.get("verify"):
-        env[VERIFY_ENV] = "1"
     return env
 
 
@@ -273,7 +272,7 @@ def main() -> int:
                          "CPUOffloadingSpec (same host size, decode blocks stored too)")
     ap.add_argument("--verify", action="store_true",
                     help="Ion tier: fingerprint every stored/restored KV block on the GPU "
-                         "(ION_KV_TIER_VERIFY=1) and report byte-level restore verdicts")
+                         "(the tier's verify key) and report byte-level restore verdicts")
     ap.add_argument("--dtype", default="auto",
                     help="model dtype (vLLM's --dtype).  float32 (with a backend that takes "
                          "it, e.g. TRITON_ATTN, and --no-batch-invariant) makes rounding noise "

@@ -274,3 +274,35 @@ def test_kernels_loaded_from_the_cache_run_right(fused, seed, tmp_path, monkeypa
     finally:
         for cached in (attention.compiled_attention, attention._compiled_combine):
             cached.cache_clear()
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_plan_from_lengths_ahead_of_the_device(tile_m, seed):
+    """Under async speculative decoding vLLM's host ``seq_lens`` may run ahead of the
+    device's, and the backend plans from the host copy: the plan then holds a unit past the
+    step's fresh tiles.  The kernel masks it and stores nothing from it, so no page past a
+    request's last is written and the output is the device lengths' attention."""
+    from cute_kernels import ion_attention, make_device_plan
+
+    hq, hkv, d = 28, 4, 128
+    q_lens = [4, 1, 3]
+    device_lens = [132, 640, 190]  # contexts 128, 639, 187
+    host_lens = [134, 641, 195]    # 2, 1 and 5 tokens ahead: 128 -> 130 crosses a page
+    case = make_paged_case(seed, q_lens, device_lens, hq, hkv, d, device="cuda",
+                           extra_table_cols=3)
+    q, k_cache, v_cache, qsl, sl, bt = case
+    rng = torch.Generator().manual_seed(seed)
+    key = torch.randn(q.shape[0], hkv, d, generator=rng).to(q.dtype).cuda()
+    value = torch.randn(q.shape[0], hkv, d, generator=rng).to(q.dtype).cuda()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference_kv_append(key, value, k_ref, v_ref,
+                        new_token_slot_mapping(qsl, sl, bt, 64, q.shape[0]))
+    plan = make_device_plan(qsl.cpu(), torch.tensor(host_lens, dtype=torch.int32),
+                            num_kv_heads=hkv, group_size=hq // hkv, head_dim=d, device="cuda",
+                            fresh_kv=True, tile_m=tile_m)
+    out = torch.full_like(q, float("nan"))
+    scale = default_softmax_scale(d)
+    ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan, key=key, value=value)
+    torch.cuda.synchronize()
+    _check_case(case, out, (k_cache, v_cache), (k_ref, v_ref), plan, scale,
+                f"host lengths ahead, m{tile_m} seed={seed}")

@@ -511,32 +511,6 @@ def test_async_scheduling_fences_freed_blocks_so_loads_need_not_wait(vllm_cpu):
     assert not Engine(vllm_cpu, gpu_blocks=10, host_blocks=64).sched.defer_block_free
 
 
-@pytest.mark.parametrize("gather_stream", ["own", "compute"])
-def test_loads_are_not_ordered_after_the_compute_stream(gather_stream):
-    """Stores must wait for the compute stream (they read KV it just wrote: the gather's
-    own stream waits, or, with the gather on the compute stream itself, the direct
-    GPU -> host copies' drain stream does); loads must not (see the test above for why
-    that is safe): waiting delayed every restore by up to a forward step on the H200."""
-    from ion_vllm.kv_tier.runtime import SimRuntime
-    from ion_vllm.kv_tier.testing import run_random_ops
-    from ion_vllm.kv_tier.worker import IonKVTierWorker
-
-    seen = {}
-
-    class Captured(IonKVTierWorker):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            seen["w"] = self
-
-    rt = SimRuntime()
-    run_random_ops(11, 400, runtime=rt, worker_cls=Captured,
-                   worker_kw={"gather_stream": gather_stream})
-    w = seen["w"]
-    assert w.stats.load_jobs > 0 and w.stats.store_jobs > 0
-    assert rt.current_waits.get(w._bypass_stream.name, 0) > 0
-    assert rt.current_waits.get(w._load.name, 0) == 0
-
-
 def _reuse_workload(vllm_cpu, *, ctx, user, gen, turns, convs_n, wave, store_lag,
                     extra=None):
     """The reuse benchmark's shape (scripts/kv_tier_bench.py), scaled down: conversations

@@ -4,15 +4,22 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from script_loader import load_script
 
-from ion_vllm.kv_tier.stats import prometheus_sums
+from ion_vllm.bench.offload_configs import prometheus_sums
 
 bench = load_script("kv_tier_bench.py", "kv_tier_bench_script")
 preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_script")
+
+
+@pytest.fixture(autouse=True)
+def _temporary_folders_under_tmp_path(tmp_path, monkeypatch):
+    """The scripts' temporary folders (tempfile) go under pytest's tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def test_prometheus_sums_keeps_fractional_seconds():
@@ -120,33 +127,24 @@ def test_preempt_offload_config_selects_spec():
 def test_kv_tier_bench_configs_select_the_spec_and_its_variants():
     hb = 1 << 30
     ext = lambda n: bench.offload_transfer_config(n, hb, 256)["kv_connector_extra_config"]  # noqa: E731
+    assert bench.CONFIGS == ("none", "native", "native-default", "ion")
     assert bench.offload_transfer_config("none", hb, 256) is None
     assert "spec_name" not in ext("native") and ext("native")["offload_prompt_only"] is False
-    base = {"spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
-            "cpu_bytes_to_use": hb, "ring_mib": 256}
-    assert ext("ion") == base  # the spec's own defaults
-    assert ext("ion-defer") == {**base, "ring_overflow": "defer"}
-    assert ext("ion-host") == {**base, "store_completion": "host"}
-    assert ext("ion-noring") == {**base, "ring_mib": 0}
-    assert ext("ion-tensor") == {**base, "host_layout": "tensor"}
-    assert ext("ion-cegather") == {**base, "ring_gather": "copier"}
-    assert ext("ion-chunkdrain") == {**base, "drain_chunk_kib": 128}
-    assert ext("ion-gather-normal") == {**base, "gather_stream": "own",
-                                        "gather_priority": "normal"}
-    assert ext("ion-sidestreams") == {**base, "gather_stream": "own", "load_copy": "auto"}
-    assert ext("ion-ringsmall") == {**base, "ring_max_job_blocks": 4}
+    assert ext("native-default") == {"cpu_bytes_to_use": hb}
+    assert ext("ion") == {"spec_name": "IonKVTierSpec", "spec_module_path": "ion_vllm.kv_tier.spec",
+                          "cpu_bytes_to_use": hb, "ring_mib": 256}
     from ion_vllm.bench.offload_configs import offload_transfer_config
     with pytest.raises(ValueError, match="tier"):
         offload_transfer_config("bogus", hb)
-    # every variant is a configuration the spec accepts
+    # the Ion config is one the spec accepts
     from ion_vllm.kv_tier.spec import IonKVTierSpec
     from test_kv_tier_spec import _cfg as spec_config
-    for name in bench.ION_CONFIGS:
-        IonKVTierSpec(spec_config(ext(name), block_bytes=1 << 20))
+    IonKVTierSpec(spec_config(ext("ion"), block_bytes=1 << 20))
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "kv_tier_bench.py")
-    r = subprocess.run([sys.executable, path, "/m", "--configs", "ion,bogus"],
-                       capture_output=True, text=True, check=False, timeout=120)
-    assert r.returncode == 2 and "unknown config" in r.stderr
+    for bad in ("ion,bogus", "ion-defer"):  # the lab's variants are gone
+        r = subprocess.run([sys.executable, path, "/m", "--configs", bad],
+                           capture_output=True, text=True, check=False, timeout=120)
+        assert r.returncode == 2 and "unknown config" in r.stderr
 
 
 def test_preempt_fp32_children_run_without_tf32(monkeypatch):
@@ -158,102 +156,3 @@ def test_preempt_fp32_children_run_without_tf32(monkeypatch):
     (_, fp32), (_, auto) = _FakePopen.seen
     assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["NVIDIA_TF32_OVERRIDE"] == "0"
     assert "TRITON_F32_DEFAULT" not in auto
-
-
-SCHED_COST = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "scripts", "kv_tier_sched_cost.py")
-
-
-def _sched_cost(tmp_path, *args):
-    """Run scripts/kv_tier_sched_cost.py with ``args`` (offline); assert it succeeded and
-    return (the completed process, the runs it wrote)."""
-    out = tmp_path / "runs.json"
-    r = subprocess.run([sys.executable, SCHED_COST, *args, "--out", str(out)],
-                       capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r, json.loads(out.read_text())
-
-
-def test_sched_cost_script_times_both_policies(tmp_path):
-    """scripts/kv_tier_sched_cost.py drives vLLM's scheduler with the Ion manager under
-    both policies: eager stores decode blocks (many more store jobs than prompt-only),
-    and every timing it reports is positive."""
-    r, runs = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64", "--gen", "80",
-                          "--repeats", "1")
-    eager, prompt_only = runs
-    assert (eager["prompt_only"], prompt_only["prompt_only"]) == (False, True)
-    # 4 requests x 80 generated tokens = 20 decode blocks of 16 tokens stored only eagerly
-    assert eager["store_jobs"] >= prompt_only["store_jobs"] + 16
-    for run in runs:
-        assert run["steps"] >= 80 and run["schedule_us"] > 0 and run["update_us"] > 0
-        assert run["manager_us_per_step"]["prepare_store"] > 0
-    assert "eager" in r.stdout and "prompt-only" in r.stdout
-
-
-def test_sched_cost_script_times_vllms_own_manager(tmp_path):
-    """``--configs eager,native-default`` runs vLLM's own CPUOffloadingSpec manager through
-    the same harness: it stores prompt blocks only, and its methods are timed as Ion's."""
-    _, (eager, native) = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64", "--gen",
-                                     "80", "--repeats", "1", "--configs", "eager,native-default")
-    assert (eager["config"], native["config"]) == ("eager", "native-default")
-    assert eager["manager"] == "IonKVTierSchedulerManager"
-    assert native["manager"] == "CPUOffloadingManager"
-    assert native["prompt_only"] and not eager["prompt_only"]
-    # 4 prompts of 64 tokens = 4 blocks each; the 80 answer tokens' 5 blocks only eagerly
-    assert native["store_jobs"] <= 8 and eager["store_jobs"] >= native["store_jobs"] + 16
-    assert native["manager_us_per_step"]["get_stats"] > 0
-    bad = subprocess.run([sys.executable, SCHED_COST, "--configs", "eager,nope"],
-                         capture_output=True, text=True, timeout=600, check=False,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert bad.returncode == 2 and "nope" in bad.stderr
-
-
-def test_sched_cost_script_counts_preemptions_and_flushes(tmp_path):
-    """With a GPU pool for 2 of 4 requests vLLM preempts; with stores that take 4 steps a
-    preempted request still has store jobs in flight, which vLLM flushes (the worker's
-    host wait); the script counts both, and prompt-only storing has no more jobs to
-    flush than eager storing."""
-    r, (eager, prompt_only) = _sched_cost(tmp_path, "--requests", "4", "--prompt", "64",
-                                          "--gen", "200", "--repeats", "1",
-                                          "--pool-requests", "2", "--store-lag", "4")
-    assert eager["preemptions"] > 0 and prompt_only["preemptions"] > 0
-    assert eager["flushed_jobs"] > 0 and eager["flush_steps"] > 0
-    assert eager["flushed_jobs"] >= prompt_only["flushed_jobs"]
-    for run in (eager, prompt_only):
-        assert 0 <= run["flushed_in_own_step"] <= run["flushed_jobs"]
-    assert "flushed jobs" in r.stdout
-
-
-def test_kv_tier_pick_chooses_only_a_candidate_near_the_control(tmp_path):
-    """The chain's turn-1 -> 3-turn hand-off: the fastest candidate wins only when its
-    mean is within the margin of the control's; a missing control is an error (exit 2),
-    not a silent "no winner"."""
-    pick = load_script("kv_tier_pick.py", "kv_tier_pick_script")
-
-    def rec(name, wall):
-        return {"config": name, "wall_s": wall}
-
-    recs = [rec("ion-noring", 36.30), rec("ion-noring", 36.40),
-            rec("ion-hostids", 36.80), rec("ion-hostids", 36.90),
-            rec("ion-gather-drain", 36.40), rec("ion-gather-drain", 36.50)]
-    cands = ["ion-hostids", "ion-gather-drain"]
-    assert pick.mean_walls(recs)["ion-noring"] == pytest.approx(36.35)
-    assert pick.pick(recs, "ion-noring", cands, 0.2) == "ion-gather-drain"
-    assert pick.pick(recs, "ion-noring", cands, 0.05) is None
-    assert pick.pick(recs[:4], "ion-noring", cands, 0.2) is None  # hostids +0.5 s
-    with pytest.raises(LookupError):
-        pick.pick(recs[2:], "ion-noring", cands, 0.2)
-    with pytest.raises(LookupError):
-        pick.pick(recs[:2], "ion-noring", cands, 0.2)
-
-    (tmp_path / "repeats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    args = [sys.executable, os.path.join(os.path.dirname(pick.__file__), "kv_tier_pick.py"),
-            str(tmp_path), "--control", "ion-noring", "--candidates", ",".join(cands)]
-    out = subprocess.run(args + ["--within", "0.2"], capture_output=True, text=True)
-    assert (out.returncode, out.stdout.strip()) == (0, "ion-gather-drain")
-    out = subprocess.run(args + ["--within", "0.01"], capture_output=True, text=True)
-    assert (out.returncode, out.stdout.strip()) == (0, "")
-    out = subprocess.run(args[:-4] + ["--control", "native", "--candidates", "ion",
-                                      "--within", "1"], capture_output=True, text=True)
-    assert out.returncode == 2 and "control" in out.stderr

@@ -49,21 +49,25 @@ def test_spec_sizes_and_decode_blocks():
                            block_bytes=1 << 20, world=2))
     assert s.offload_prompt_only is False  # every full block, decode included
     assert s.block_bytes == 2 << 20 and s.num_host_blocks == 50
-    assert s.num_host_blocks * s.block_bytes <= s.host_bytes
+    assert s.num_host_blocks * s.block_bytes <= s.config.host_bytes
     assert s.max_inflight_blocks == 32  # 4 x 8 MiB ring / 1 MiB per worker block
     m = s.get_manager()
     assert m is s.get_manager() and m.num_host_blocks == 50
-    s2 = IonKVTierSpec(_cfg({"host_gib": 1, "offload_prompt_only": True}))
+    s2 = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 1 << 30, "offload_prompt_only": True}))
     assert s2.offload_prompt_only is True and s2.num_host_blocks == 1024
 
 
 def test_spec_rejects_multi_block_chunks_and_missing_size():
     from ion_vllm.kv_tier.spec import IonKVTierSpec
 
-    with pytest.raises(ValueError):
-        IonKVTierSpec(_cfg({"host_gib": 1}, bpc=4))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one KV block per chunk"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 1 << 30}, bpc=4))
+    with pytest.raises(ValueError, match="--kv-offloading-size"):
         IonKVTierSpec(_cfg({}))
+    with pytest.raises(ValueError, match="holds no KV block"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 1000}, block_bytes=1 << 20))
+    with pytest.raises(ValueError, match="'ring_mib' .* holds no KV block"):
+        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 1 << 30, "ring_mib": 0.5}))
 
 
 def test_scheduler_side_config_stores_decode_blocks():
@@ -73,7 +77,7 @@ def test_scheduler_side_config_stores_decode_blocks():
     )
     from ion_vllm.kv_tier.spec import IonKVTierSpec
 
-    s = IonKVTierSpec(_cfg({"host_gib": 1}))
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 1 << 30}))
     cfg = SchedulerOffloadConfig(kv_group_configs=(), blocks_per_chunk=s.blocks_per_chunk,
                                  num_workers=1, offload_prompt_only=s.offload_prompt_only)
     assert cfg.offload_prompt_only is False
@@ -83,7 +87,7 @@ def test_stats_and_metric_definitions():
     from ion_vllm.kv_tier.manager import IonKVTierManager
     from ion_vllm.kv_tier.spec import IonKVTierSpec
     from ion_vllm.kv_tier.stats import M
-    from ion_vllm.kv_tier.testing import CTX, key_of
+    from kv_tier_harness import CTX, key_of
 
     defs = IonKVTierSpec.build_metric_definitions({})
     m = IonKVTierManager(4, 10, 40, 3)
@@ -157,104 +161,61 @@ def test_default_writeback_window_covers_several_prefill_steps():
     pool).  With the H200 reuse benchmark's setup (Qwen2.5-7B KV: 3,670,016 B per 64-token
     block, 24 GiB host, 256 MiB ring) it holds more than 4 steps of 16k-token chunked
     prefill (256 blocks each); the former default (4 rings, 292 blocks) held about one."""
-    from ion_vllm.kv_tier.spec import IonKVTierSpec, default_window_bytes
+    from ion_vllm.kv_tier.config import default_window_bytes
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
 
     blk = 28 * 2 * 64 * 4 * 128 * 2  # layers x (K, V) x tokens x KV heads x d x bf16
     assert blk == 3_670_016
-    s = IonKVTierSpec(_cfg({"host_gib": 24}, block_bytes=blk))
-    assert s.ring_bytes == 256 << 20
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 24 << 30}, block_bytes=blk))
+    assert s.config.ring_bytes == 256 << 20
     assert s.max_inflight_blocks == (4 << 30) // blk > 4 * 256
-    assert (4 * s.ring_bytes) // blk < 2 * 256
+    assert (4 * s.config.ring_bytes) // blk < 2 * 256
     # small host pools: a quarter of the pool, never below 4 rings
     assert default_window_bytes(256 << 20, 1 << 30) == 4 * (256 << 20)
     assert default_window_bytes(16 << 20, 1 << 30) == 256 << 20
     # per worker: the host budget is shared by the TP ranks
-    s2 = IonKVTierSpec(_cfg({"host_gib": 8, "ring_mib": 16}, block_bytes=1 << 20, world=2))
+    s2 = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 30, "ring_mib": 16}, block_bytes=1 << 20,
+                            world=2))
     assert s2.max_inflight_blocks == (1 << 30) // (1 << 20)  # 0.25 x 4 GiB per worker
     # an explicit max_inflight_mib still wins
-    s3 = IonKVTierSpec(_cfg({"host_gib": 24, "max_inflight_mib": 64}, block_bytes=1 << 20))
+    s3 = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 24 << 30, "max_inflight_mib": 64},
+                            block_bytes=1 << 20))
     assert s3.max_inflight_blocks == 64
+    # the scheduler's manager gets the same window and pool from the same config
+    m = s3.get_manager()
+    assert (m.max_inflight_blocks, m.num_host_blocks) == (64, s3.num_host_blocks)
 
 
-def worker_of(extra):
-    """The CPU worker a spec with kv_connector_extra_config ``extra`` builds (1 KiB blocks)."""
+def test_the_spec_hands_its_config_to_the_worker():
+    """The worker the spec builds holds the spec's config (one object for spec, manager
+    and worker); ring_mib 0 is a ring of no slots (every block copied directly)."""
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
+
+    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": 2 / 1024},
+                           block_bytes=1 << 10))
+    w = s.get_worker(_one_tensor_caches())
+    assert w.config is s.config and w.ring.num_slots == 2 and w.num_host_blocks == 8
+    assert w is s.get_worker(None)  # built once
+    w0 = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": 0},
+                            block_bytes=1 << 10)).get_worker(_one_tensor_caches())
+    assert w0.ring.num_slots == 0 and w0.ring.nbytes == 0
+    assert w0.ring_gather_impl == "copier" and w0.copier.name == "torch"  # CPU tensors
+
+
+def _one_tensor_caches(t=None, nb=1 << 10):
     import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
-    from ion_vllm.kv_tier.spec import IonKVTierSpec
-
-    s = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, **extra}, block_bytes=1 << 10))
-    t = torch.zeros((4, 1 << 10), dtype=torch.int8)
-    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=1 << 10)],
-                           group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
-                                                                 page_size_bytes=1 << 10)]])
-    return s.get_worker(kv)
-
-
-def test_ring_overflow_policy_reaches_the_worker_and_is_validated():
-    from ion_vllm.kv_tier.spec import IonKVTierSpec
-
-    assert worker_of({}).overflow == "direct"  # the default: never idle PCIe behind a full ring
-    assert worker_of({"ring_overflow": "defer"}).overflow == "defer"
-    with pytest.raises(ValueError, match="ring_overflow"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_overflow": "drop"}))
-    # store completion: "read" by default, "host" selectable, anything else refused
-    assert worker_of({}).completion == "read"
-    assert worker_of({"store_completion": "host"}).completion == "host"
-    with pytest.raises(ValueError, match="store_completion"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "store_completion": "drain"}))
-    # host layout: one row per block by default, one region per tensor selectable
-    assert worker_of({}).host_layout == "slot"
-    assert worker_of({"host_layout": "tensor"}).copier.layout == "tensor"
-    with pytest.raises(ValueError, match="host_layout"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "host_layout": "rows"}))
-    # GPU -> ring gather: the copier's on CPU tensors under "auto", "kernel" refused there
-    assert worker_of({}).ring_gather_impl == "copier"
-    assert worker_of({"ring_gather": "copier"}).ring_gather_impl == "copier"
-    with pytest.raises(ValueError, match="CUDA"):
-        worker_of({"ring_gather": "kernel"})
-    with pytest.raises(ValueError, match="ring_gather"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_gather": "dma"}))
-    # issue point: inside the submit calls by default, at get_finished selectable
-    assert worker_of({}).issue_at == "submit"
-    assert worker_of({"issue_at": "finish"}).issue_at == "finish"
-    with pytest.raises(ValueError, match="issue_at"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "issue_at": "later"}))
-    # the copy kernels' id upload: a pinned tensor per launch by default
-    assert worker_of({}).id_upload == "pin_memory"
-    assert worker_of({"id_upload": "staged"}).id_upload == "staged"
-    with pytest.raises(ValueError, match="id_upload"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "id_upload": "mmap"}))
-    # issue path: explicit stream handles by default (on a CPU its drains are memmoves),
-    # PyTorch's front ends selectable
-    w = worker_of({})
-    assert w.issue_api == "raw" and w._ptr_drain is not None
-    w = worker_of({"issue_api": "torch"})
-    assert w.issue_api == "torch" and w._ptr_drain is None and w._ptr_copy is None
-    with pytest.raises(ValueError, match="issue_api"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "issue_api": "cuda"}))
-    # host -> GPU loads: the copier's on CPU tensors under "auto", "kernel" refused there
-    assert worker_of({}).load_copy_impl == "copier"
-    assert worker_of({"load_copy": "copier"}).load_copy_impl == "copier"
-    with pytest.raises(ValueError, match="CUDA"):
-        worker_of({"load_copy": "kernel"})
-    with pytest.raises(ValueError, match="load_copy"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "load_copy": "dma"}))
-    # ring_mib 0: no ring, every block direct; with "defer" nothing would ever be stored
-    w0 = worker_of({"ring_mib": 0})
-    assert w0.ring.num_slots == 0 and w0.ring.nbytes == 0
-    with pytest.raises(ValueError, match="ring_mib 0"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": 0,
-                            "ring_overflow": "defer"}))
-    with pytest.raises(ValueError, match="ring_mib"):
-        IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 << 10, "ring_mib": -1}))
+    t = torch.zeros((4, nb), dtype=torch.int8) if t is None else t
+    return CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=nb)],
+                             group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0,
+                                                                   page_size_bytes=nb)]])
 
 
 def test_worker_store_paths_reach_the_managers_metrics():
     """Ring and spill block counts travel worker -> PROCESS_COUNTERS -> the spec's manager
     stats -> Prometheus, so a GPU run shows which path its stores took."""
     import torch
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from ion_vllm.kv_tier.spec import IonKVTierSpec
@@ -267,15 +228,12 @@ def test_worker_store_paths_reach_the_managers_metrics():
     mgr = s.get_manager()
     mgr.get_stats()  # start from here
     t = torch.randint(-100, 100, (8, nb), dtype=torch.int8)
-    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=nb)],
-                           group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=nb)]])
-    w = s.get_worker(kv)
+    w = s.get_worker(_one_tensor_caches(t, nb))
     assert w.ring.num_slots == 2
     w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3, 4], [5], [0]), IonHostSpec([0, 1, 2, 3, 4]))
     w.get_finished()  # the drains are accounted when their end is seen
     red = mgr.get_stats().reduce()
     assert red[M.RING_BLOCKS] == 2 and red[M.SPILL_BLOCKS] == 3
-    assert M.BYPASS_BLOCKS not in red and M.DEFERRED_BLOCKS not in red
     # every byte written to the host is in the D2H counters, with its copy time
     assert red[M.D2H_BYTES] == 5 * nb and red[M.D2H_SECONDS] > 0
     assert torch.equal(w.host[:5], t[:5])  # the CPU runtime is synchronous

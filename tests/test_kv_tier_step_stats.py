@@ -11,7 +11,7 @@ import pytest
 from script_loader import load_script
 
 from ion_vllm.bench.gpu_busy import GpuBusySampler, summarize
-from ion_vllm.kv_tier.stats import prometheus_sums
+from ion_vllm.bench.offload_configs import prometheus_sums
 
 bench = load_script("kv_tier_bench.py", "kv_tier_bench_steps_script")
 

@@ -1,14 +1,13 @@
-"""Block-verification mode of the Ion KV tier (ION_KV_TIER_VERIFY), on CPU.
+"""Block-verification mode of the Ion KV tier (the ``verify`` key), on CPU.
 
 The worker fingerprints every stored block from its GPU source and every restored block
 in its GPU destination and compares them.  These tests drive the worker on CPU tensors
-(SimRuntime streams) through the ring and the bypass paths, and prove the check can fail:
+(SimRuntime streams) through the ring and the spill paths, and prove the check can fail:
 one flipped host byte, swapped rows, a stale (overwritten) slot and a never-stored slot
 are all reported.  They also cover the export (worker -> scheduler-side stats ->
 Prometheus) and the verdict logic of scripts/kv_tier_preempt_check.py.
 """
 
-import functools
 import logging
 import random
 import subprocess
@@ -22,12 +21,17 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from script_loader import SCRIPTS, load_script
 
+from kv_tier_harness import KVModel, make_worker, run_random_ops
+
+from ion_vllm.bench.offload_configs import prometheus_sums
+from ion_vllm.kv_tier.copies import TorchCopier
 from ion_vllm.kv_tier.manager import IonHostSpec
 from ion_vllm.kv_tier.runtime import SimRuntime
-from ion_vllm.kv_tier.stats import M, PROCESS_COUNTERS, metric_definitions, prometheus_sums
-from ion_vllm.kv_tier.testing import KVModel, run_random_ops
-from ion_vllm.kv_tier.worker import (ENV_VERIFY, BlockFingerprinter, IonKVTierWorker,
-                                     TorchCopier)
+from ion_vllm.kv_tier.stats import M, PROCESS_COUNTERS, metric_definitions
+from ion_vllm.kv_tier.verify import BlockFingerprinter
+from ion_vllm.kv_tier.worker import IonKVTierWorker
+
+VLOG = "ion_vllm.kv_tier.verify"
 
 preempt = load_script("kv_tier_preempt_check.py", "kv_tier_preempt_verify_script")
 
@@ -37,15 +41,12 @@ class Rig:
     """A worker over a KVModel (2 layers, ION or K/V-first layout) on CPU."""
 
     def __init__(self, ring_slots=8, host_blocks=16, num_gpu=24, eager=False,
-                 layout="ion", verify=True, worker_cls=IonKVTierWorker, seed=0,
-                 overflow="direct"):
+                 layout="ion", verify=True, worker_cls=IonKVTierWorker, seed=0):
         self.kvm = KVModel(layout, num_gpu, seed=seed)
         self.slot = sum(c.page_size_bytes for c in self.kvm.canonical.tensors)
         self.rt = SimRuntime(eager=eager)
-        self.w = worker_cls(self.kvm.canonical, num_host_blocks=host_blocks,
-                            ring_bytes=ring_slots * self.slot, runtime=self.rt,
-                            copier="torch", pin_memory=False, log_interval_s=0,
-                            verify=verify, overflow=overflow)
+        self.w = make_worker(self.kvm.canonical, host_blocks, ring_slots * self.slot,
+                             runtime=self.rt, worker_cls=worker_cls, verify=verify)
         self.truth = {}  # gpu block -> data written there
         self.job = 0
         self.done = set()  # job ids reported by get_finished
@@ -141,12 +142,12 @@ def test_fingerprint_chunking_is_exact(monkeypatch):
     assert torch.equal(fpr.slots(rows), whole)
 
 
-# ---- round trips: ring and bypass ---------------------------------------------
+# ---- round trips: ring and spill ----------------------------------------------
 @pytest.mark.parametrize("layout", ["ion", "kv_first"])
 def test_ring_roundtrip_verifies_every_block(layout):
     r = Rig(layout=layout)
     r.roundtrip([3, 4, 9, 1], [0, 1, 2, 7], [10, 11, 12, 13])
-    assert r.st.d2d_blocks == 4 and r.st.bypass_blocks == 0
+    assert r.st.d2d_blocks == 4 and r.st.spill_blocks == 0
     assert r.st.fingerprinted_store_blocks == 4
     assert r.st.verified_blocks == 4 and r.st.verify_mismatch_blocks == 0
     for src, dst in zip([3, 4, 9, 1], [10, 11, 12, 13]):
@@ -154,15 +155,13 @@ def test_ring_roundtrip_verifies_every_block(layout):
 
 
 def test_spill_roundtrip_verifies_every_block():
-    """overflow="direct": a 1-slot ring takes one block, the other three go GPU -> host at
-    submit; nothing is deferred, and the flush has nothing left to bypass."""
+    """A 1-slot ring takes one block, the other three go GPU -> host at submit."""
     r = Rig(ring_slots=1)
     gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
     r.fill(gpu)
     j = r.store(gpu, host)
-    assert r.st.spill_blocks == 3 and r.st.d2d_blocks == 1 and r.st.deferred_blocks == 0
+    assert r.st.spill_blocks == 3 and r.st.d2d_blocks == 1
     r.w.wait({j})
-    assert r.st.bypass_blocks == 0
     for b in gpu:  # vLLM may reuse the source blocks now: the copies have read them
         r.kvm.scrub(b)
     r.finish(j)
@@ -171,24 +170,6 @@ def test_spill_roundtrip_verifies_every_block():
     assert r.st.fingerprinted_store_blocks == 4
     for src, dst in zip(gpu, [0, 1, 2, 3]):
         assert r.kvm.equal(dst, r.truth[src])
-
-
-def test_bypass_roundtrip_verifies_every_block():
-    """overflow="defer": a 1-slot ring whose drain has not run: the flush copies the rest
-    directly."""
-    r = Rig(ring_slots=1, overflow="defer")
-    gpu, host = [5, 6, 7, 8], [3, 4, 5, 6]
-    r.fill(gpu)
-    j = r.store(gpu, host)
-    assert r.st.deferred_blocks == 3
-    r.w.wait({j})
-    assert r.st.bypass_blocks == 3 and r.st.d2d_blocks == 1
-    for b in gpu:  # vLLM may reuse the source blocks now: fingerprints already taken
-        r.kvm.scrub(b)
-    r.finish(j)
-    r.finish(r.load(host, [0, 1, 2, 3]))
-    assert r.st.verified_blocks == 4 and r.st.verify_mismatch_blocks == 0
-    assert r.st.fingerprinted_store_blocks == 4
 
 
 def test_store_fingerprint_taken_before_source_reuse_on_ring_path():
@@ -204,36 +185,29 @@ def test_store_fingerprint_taken_before_source_reuse_on_ring_path():
     assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 0
 
 
-@pytest.mark.parametrize("overflow", ["direct", "defer"])
-def test_random_ops_with_verify_all_paths(overflow):
-    for layout, seed in (("ion", 31), ("kv_first", 32)):
-        res = run_random_ops(seed, 3000, layout=layout, overflow=overflow,
-                             worker_cls=functools.partial(IonKVTierWorker, verify=True))
-        ws = res.worker_stats
-        direct = ws["spill_blocks"] if overflow == "direct" else ws["bypass_blocks"]
-        assert direct > 0 and ws["d2d_blocks"] > 0
-        assert ws["verified_blocks"] == res.restored_blocks > 100
-        assert ws["verify_mismatch_blocks"] == 0 and ws["verify_unknown_blocks"] == 0
+@pytest.mark.parametrize("layout", ["ion", "kv_first"])
+def test_random_ops_with_verify_all_paths(layout):
+    res = run_random_ops(31, 3000, layout=layout, verify=True)
+    ws = res.worker_stats
+    assert ws["spill_blocks"] > 0 and ws["d2d_blocks"] > 0
+    assert ws["verified_blocks"] == res.restored_blocks > 100
+    assert ws["verify_mismatch_blocks"] == 0 and ws["verify_unknown_blocks"] == 0
 
 
 # ---- the check fails when it must ----------------------------------------------
-@pytest.mark.parametrize("path", ["ring", "bypass", "spill"])
+@pytest.mark.parametrize("path", ["ring", "spill"])
 @pytest.mark.parametrize("where", ["first", "last", "layer1"])
 def test_one_corrupted_host_byte_is_detected(path, where, caplog):
-    r = Rig(ring_slots=8 if path == "ring" else 1,
-            overflow="defer" if path == "bypass" else "direct")
+    r = Rig(ring_slots=8 if path == "ring" else 1)
     gpu, host = [5, 6, 7], [2, 3, 4]
     r.fill(gpu)
     j = r.store(gpu, host)
     if path == "spill":
         assert r.st.spill_blocks == 2
-    if path == "bypass":
-        r.w.wait({j})
-        assert r.st.bypass_blocks == 2
     r.finish(j)
     col = {"first": 0, "last": r.slot - 1, "layer1": r.w.offsets[1] + 37}[where]
     r.w.host[3, col] ^= 0x01  # one bit of one byte of host block 3
-    with caplog.at_level(logging.ERROR, logger="ion_vllm.kv_tier.worker"):
+    with caplog.at_level(logging.ERROR, logger=VLOG):
         r.finish(r.load(host, [10, 11, 12]))
     assert r.st.verified_blocks == 3 and r.st.verify_mismatch_blocks == 1
     msgs = [m for m in caplog.messages if "MISMATCH" in m]
@@ -247,10 +221,9 @@ class _FlipOnLoad(TorchCopier):
 
 
 class _FlipOnLoadWorker(IonKVTierWorker):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.copier = _FlipOnLoad(self.tensors, self.offsets, self.copier.group_refs)
-        self.load_to_gpu = self.copier.to_gpu  # loads through the corrupting copier
+    @staticmethod
+    def _copier_cls(is_cuda):
+        return _FlipOnLoad  # loads through the corrupting copier
 
 
 def test_corruption_in_the_h2d_copy_is_detected():
@@ -283,12 +256,12 @@ def test_overwritten_slot_replaces_its_fingerprint_and_stale_bytes_fail():
     r.w.host[4] = old  # as if the second write had been lost
     r.finish(r.load([4], [8]))
     assert r.st.verified_blocks == 2 and r.st.verify_mismatch_blocks == 1
-    assert len(r.w._fp_by_host) == 1  # one entry per host block, never more
+    assert len(r.w.verifier.by_host) == 1  # one entry per host block, never more
 
 
 def test_load_of_a_never_stored_host_block_is_a_mismatch(caplog):
     r = Rig()
-    with caplog.at_level(logging.ERROR, logger="ion_vllm.kv_tier.worker"):
+    with caplog.at_level(logging.ERROR, logger=VLOG):
         r.finish(r.load([9], [1]))
     assert r.st.verify_mismatch_blocks == 1 and r.st.verify_unknown_blocks == 1
     assert any("host block 9" in m and "no store" in m for m in caplog.messages)
@@ -312,32 +285,25 @@ def test_fingerprint_snapshot_is_taken_at_load_submission():
 
 
 # ---- switching it on -------------------------------------------------------------
-def test_off_by_default_env_and_spec_key(monkeypatch, caplog):
-    monkeypatch.delenv(ENV_VERIFY, raising=False)
-    r = Rig(verify=None)
-    assert r.w.verify is False
+def test_off_by_default_and_the_spec_key(caplog):
+    r = Rig(verify=False)
+    assert r.w.verifier is None
     r.roundtrip([1], [0], [2])
     assert r.st.verified_blocks == 0 and r.st.fingerprinted_store_blocks == 0
-    monkeypatch.setenv(ENV_VERIFY, "1")
-    with caplog.at_level(logging.WARNING, logger="ion_vllm.kv_tier.worker"):
-        assert Rig(verify=None).w.verify is True
-    assert sum("VERIFY mode on" in m for m in caplog.messages) == 1
-    assert Rig(verify=False).w.verify is False  # an explicit False wins over the env
+    with caplog.at_level(logging.WARNING, logger=VLOG):
+        assert Rig(verify=True).w.verifier is not None
+    assert sum("verify mode on" in m for m in caplog.messages) == 1
 
     from test_kv_tier_spec import _cfg
 
-    from ion_vllm.kv_tier.spec import IonKVTierSpec, parse_flag
+    from ion_vllm.kv_tier.spec import IonKVTierSpec
 
-    assert parse_flag(None) is None and parse_flag("true") and not parse_flag("0")
-    with pytest.raises(ValueError):
-        parse_flag("maybe")
-    monkeypatch.delenv(ENV_VERIFY)
     kvm = KVModel("ion", 8)
     slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
     for extra, want in (({}, False), ({"verify": True}, True), ({"verify": "false"}, False)):
         spec = IonKVTierSpec(_cfg({"cpu_bytes_to_use": 8 * slot, "ring_mib": 0.01, **extra},
                                   block_bytes=slot))
-        assert spec.get_worker(kvm.canonical).verify is want
+        assert (spec.get_worker(kvm.canonical).verifier is not None) is want
 
 
 # ---- export ----------------------------------------------------------------------
@@ -368,8 +334,7 @@ def test_metric_names_and_export_to_prometheus():
                                "verify": True}, block_bytes=slot))
     mgr = spec.get_manager()
     mgr.get_stats()
-    w = spec.get_worker(kvm.canonical)
-    w.rt = SimRuntime(eager=True)  # the spec's worker builds its own; same semantics
+    w = spec.get_worker(kvm.canonical)  # on a CPU: synchronous simulated streams
     before = PROCESS_COUNTERS.snapshot()
     for b in (0, 1, 2):
         kvm.write(b, kvm.random_block())
@@ -470,26 +435,13 @@ def test_verdict_with_verify():
     assert code == 0 and rep["pass"] and rep["blocks_pass"]
 
 
-def test_run_child_sets_verify_env_only_for_the_verify_run(monkeypatch):
-    import json
-
-    seen = []
-
-    class FakePopen:  # a child that only records its environment and writes its output
-        def __init__(self, cmd, env):
-            seen.append(env.get(ENV_VERIFY))
-            with open(cmd[-1], "w") as f:
-                json.dump({"outputs": [], "metrics": {}}, f)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(preempt.subprocess, "Popen", FakePopen)
-    monkeypatch.setenv(ENV_VERIFY, "1")
-    preempt.run_child({"model": "m"})
-    preempt.run_child({"model": "m", "verify": True})
-    assert seen == [None, "1"]
-    assert preempt.VERIFY_ENV == ENV_VERIFY
+def test_only_the_verify_run_asks_the_tier_to_verify():
+    """--verify reaches the tier child as the ``verify`` key (no environment variable), and
+    a run without it has no such key."""
+    base = {"host_gib": 0.5, "ring_mib": 16}
+    ext = preempt.offload_config({**base, "verify": True})["kv_connector_extra_config"]
+    assert ext["verify"] is True
+    assert "verify" not in preempt.offload_config(base)["kv_connector_extra_config"]
 
 
 def test_verify_needs_the_ion_spec():
@@ -497,39 +449,3 @@ def test_verify_needs_the_ion_spec():
                         "--verify", "--spec", "native"], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 2 and "--verify needs --spec ion" in r.stderr
-
-
-# ---- CUDA streams (skipped without a GPU) ---------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("copier", ["batch", "torch"])
-def test_verify_on_cuda_streams(copier):
-    """Verify mode on real CUDA streams: the randomized harness restores every block with
-    0 mismatches, and one flipped byte in pinned host memory is reported."""
-    from ion_vllm.kv_tier.runtime import CudaRuntime
-
-    res = run_random_ops(41, 2000, copier=copier, device="cuda",
-                         runtime=CudaRuntime(torch.device("cuda")),
-                         worker_cls=functools.partial(IonKVTierWorker, verify=True))
-    ws = res.worker_stats
-    assert ws["verified_blocks"] == res.restored_blocks > 0
-    assert ws["verify_mismatch_blocks"] == 0
-
-    kvm = KVModel("ion", 16, device="cuda")
-    slot = sum(c.page_size_bytes for c in kvm.canonical.tensors)
-    w = IonKVTierWorker(kvm.canonical, num_host_blocks=8, ring_bytes=2 * slot,
-                        copier=copier, log_interval_s=0, verify=True, overflow="defer")
-    for b in range(6):
-        kvm.write(b, kvm.random_block())
-    w.submit_store(1, GPULoadStoreSpec(list(range(6)), [6], [0]), IonHostSpec(list(range(6))))
-    w.wait({1})  # 2 blocks through the ring, 4 bypassed
-    done = set()
-    while 1 not in done:
-        done |= {x.job_id for x in w.get_finished()}
-    assert w.stats.bypass_blocks == 4
-    w.host[4, 17] ^= 0x08
-    w.submit_load(2, IonHostSpec(list(range(6))), GPULoadStoreSpec(list(range(8, 14)), [6], [0]))
-    w.wait({2})
-    while 2 not in done:
-        done |= {x.job_id for x in w.get_finished()}
-    assert w.stats.verified_blocks == 6 and w.stats.verify_mismatch_blocks == 1

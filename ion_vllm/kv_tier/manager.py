@@ -20,7 +20,7 @@ blocks that become idle together are queued by their store order (``seq``,
 assigned in ``prepare_store``), latest first: the same tail-first order.
 
 Back-off: at most ``max_inflight_blocks`` blocks may be prepared but not yet
-completed (the writeback window; spec.default_window_bytes).  Blocks above that
+completed (the writeback window; config.default_window_bytes).  Blocks above that
 are dropped from ``prepare_store`` (counted) instead of queueing unbounded work
 behind the forward pass; the scheduler then simply never stores them for this
 request.
@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from ion_vllm.kv_tier.config import KVTierConfig
 from ion_vllm.kv_tier.stats import M, ManagerCounters, add_counter_growth
 from ion_vllm.kv_tier.trace_ranges import traced
 
@@ -127,6 +128,17 @@ class IonKVTierManager(OffloadingManager):
         # the last two steps covers it and bounds the memory
         self._finished_new: set[str] = set()  # since the last on_schedule_end
         self._finished_prev: set[str] = set()  # in the step before
+
+    @classmethod
+    def from_config(cls, config: KVTierConfig, worker_block_bytes: int, world: int,
+                    enable_events: bool = False):
+        """The manager of a tier of ``world`` workers whose KV blocks are
+        ``worker_block_bytes`` each (a host block holds every worker's share)."""
+        block_bytes = worker_block_bytes * max(1, world)
+        return cls(num_host_blocks=config.host_blocks(block_bytes), block_bytes=block_bytes,
+                   host_bytes_budget=config.host_bytes,
+                   max_inflight_blocks=config.window_blocks(worker_block_bytes, world),
+                   enable_events=enable_events)
 
     # ------------------------------------------------------------ helpers
     @property

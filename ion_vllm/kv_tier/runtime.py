@@ -20,45 +20,18 @@ import torch
 
 
 class CudaRuntime:
-    """``lean=True`` (the worker's ``issue_api="raw"``): ``launch`` switches the current
-    stream with PyTorch's two raw calls instead of a ``torch.cuda.stream`` context (which
-    also re-checks CUDA's availability and the devices each time)."""
+    """CUDA streams and events; every stream the worker makes has the default priority,
+    the compute stream's (``torch.cuda.Stream``'s priority 0)."""
 
-    asynchronous = True
-
-    def __init__(self, device: torch.device, lean: bool = False):
+    def __init__(self, device: torch.device):
         self.device = device
-        # CUDA: numerically lower = higher priority; out-of-range values are
-        # clamped by torch to the least (0) / greatest priority of the device.
-        self.low_priority, self.high_priority = 0, -100
-        self.lean = lean
-        if lean:
-            self._index = torch.cuda._get_device_index(device, optional=True)
-            self.launch = self._launch_lean  # type: ignore[method-assign]
 
-    def new_stream(self, high_priority: bool) -> Any:
-        prio = self.high_priority if high_priority else self.low_priority
-        return torch.cuda.Stream(device=self.device, priority=prio)
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device, priority=0)
 
     def launch(self, stream: Any, fn: Callable[[], None]) -> None:
         with torch.cuda.stream(stream):
             fn()
-
-    def _launch_lean(self, stream: Any, fn: Callable[[], None]) -> None:
-        prev = torch._C._cuda_getCurrentStream(self._index)
-        torch._C._cuda_setStream(stream_id=stream.stream_id,
-                                 device_index=stream.device_index,
-                                 device_type=stream.device_type)
-        try:
-            fn()
-        finally:
-            torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1],
-                                     device_type=prev[2])
-
-    def launch_on(self, stream: Any, fn: Callable[[Any], None]) -> None:
-        """``fn(stream)`` issues its own work onto ``stream`` (explicit handles: no
-        current-stream switch)."""
-        fn(stream)
 
     def record(self, stream: Any) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
@@ -74,16 +47,6 @@ class CudaRuntime:
     def current_stream(self) -> Any:
         """The current (compute) stream, for work queued in line with the forward pass."""
         return torch.cuda.current_stream(self.device)
-
-    def mark_current(self) -> Any:
-        """An event at the current (compute) stream's present end, for ``wait_mark``
-        later: "after the work enqueued so far", fixed now, waited on when issued."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def wait_mark(self, stream: Any, mark: Any) -> None:
-        stream.wait_event(mark)
 
     def query(self, event: Any) -> bool:
         return event.query()
@@ -115,18 +78,15 @@ class SimRuntime:
     ``eager=True`` runs every operation at launch (a synchronous device).
     """
 
-    asynchronous = False
-
     def __init__(self, eager: bool = False):
         self.eager = eager
         self.streams: list[_SimStream] = []
-        self.ops_run = 0
         #: stream name -> how many times it was ordered after the compute stream
         self.current_waits: dict[str, int] = {}
         self._compute: _SimStream | None = None
 
-    def new_stream(self, high_priority: bool) -> _SimStream:
-        s = _SimStream(f"s{len(self.streams)}{'h' if high_priority else 'l'}")
+    def new_stream(self) -> _SimStream:
+        s = _SimStream(f"s{len(self.streams)}")
         self.streams.append(s)
         return s
 
@@ -137,9 +97,6 @@ class SimRuntime:
 
     def launch(self, stream: _SimStream, fn: Callable[[], None]) -> None:
         self._push(stream, ("fn", fn))
-
-    def launch_on(self, stream: _SimStream, fn: Callable[[Any], None]) -> None:
-        self._push(stream, ("fn", lambda: fn(stream)))
 
     def record(self, stream: _SimStream) -> _SimEvent:
         ev = _SimEvent()
@@ -154,9 +111,6 @@ class SimRuntime:
         # check which copies are ordered after the compute stream.
         self.current_waits[stream.name] = self.current_waits.get(stream.name, 0) + 1
 
-    def mark_current(self) -> object:
-        return object()  # the compute stream is the host here: always done
-
     def current_stream(self) -> _SimStream:
         """A simulated stream standing for the compute stream, for work queued on it
         (made on first use; its queued work runs in the same random interleavings as the
@@ -165,9 +119,6 @@ class SimRuntime:
             self._compute = _SimStream("compute")
             self.streams.append(self._compute)
         return self._compute
-
-    def wait_mark(self, stream: _SimStream, mark: object) -> None:
-        self.wait_current(stream)  # counted as an order after the compute stream
 
     def query(self, event: _SimEvent) -> bool:
         return event.done
@@ -194,7 +145,6 @@ class SimRuntime:
         if kind == "wait" and not payload.done:
             self.sync(payload)
         s.ops.popleft()
-        self.ops_run += 1
         if kind == "fn":
             payload()
         elif kind == "rec":

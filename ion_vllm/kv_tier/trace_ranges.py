@@ -1,9 +1,9 @@
 """Named ranges for the KV tier's entry points in a torch-profiler trace.
 
 ``traced(name)`` wraps a method so that, while a torch profiler records (vLLM's
-``--profiler-config``, or ``scripts/kv_tier_bench.py --profile-dir``), each call is a user
+``--profiler-config``), each call is a user
 annotation ``name`` in the trace: the host time the tier takes per engine step can then be
-read beside vLLM's own work (``ion_vllm.bench.stream_trace.host_waits``).  When no profiler
+read beside vLLM's own work.  When no profiler
 records, the wrapper costs one attribute read: the tier's entry points run every engine
 step, and the wrapper must not add host time to the steps it is meant to explain.
 """
