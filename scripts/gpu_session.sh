@@ -2,7 +2,8 @@
 # One GPU session's evidence as one chain that may outlive a 10-minute device command:
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &     # then poll OUT/steps.txt
 # Steps (SESSION_STEPS, space-separated, run in this order; default "kval kbench e2e startup"):
-#   kval     the kernel GPU tests (pytest -m gpu; the KV tier's too with KVAL_KV_TIER=1,
+#   kval     the kernel GPU tests (pytest -m gpu over KVAL_TESTS, default tests; the KV
+#            tier's too with KVAL_KV_TIER=1,
 #            instead of step kvgpu after it) in KVAL_SHARDS (8)
 #            processes of contiguous test ids, and the randomized sweep against the
 #            reference (KVAL_CASES, default 1000, one seed) in KVAL_SWEEP_SHARDS (4)
@@ -110,9 +111,9 @@ if want kval; then
   # contiguous shards of the sorted test ids share few kernel options, so the shards
   # compile mostly disjoint sets of kernels
   ignore=--ignore=tests/test_kv_tier_gpu.py; [ "${KVAL_KV_TIER:-0}" = 1 ] && ignore=
-  # shellcheck disable=SC2086  # ignore is empty or one flag
-  python3 -m pytest -qq -m gpu --collect-only -p no:cacheprovider tests $ignore 2>/dev/null \
-    | grep '::' | sort > "$scratch/kval-tests.txt"
+  # shellcheck disable=SC2086  # KVAL_TESTS is a list of paths, ignore empty or one flag
+  python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${KVAL_TESTS:-tests} $ignore \
+    2>/dev/null | grep '::' | sort > "$scratch/kval-tests.txt"
   shards=${KVAL_SHARDS:-8}
   split -n "l/$shards" -d -a 2 "$scratch/kval-tests.txt" "$scratch/kval-shard-"
   for f in "$scratch"/kval-shard-*; do

@@ -35,21 +35,31 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt",
                      KBENCH_SUITES="anchors engine-d64", KBENCH_REGISTER="tag.py",
                      E2E_BACKENDS="ION,ION@/x/tag,FLASH_ATTN", E2E_WORKLOADS="seed",
-                     STARTUP_REPEATS="2", STARTUP_ARGS="--max-model-len 8192", KVAL_CASES="7")
+                     STARTUP_REPEATS="2", STARTUP_COLD="all",
+                     STARTUP_ARGS="--max-model-len 8192", KVAL_CASES="7",
+                     KVAL_TESTS="tests/test_kv_append.py", KVAL_SHARDS="2",
+                     KVAL_SWEEP_SHARDS="2")
     assert rc == 0, steps
     names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
-    assert sorted(names[:3]) == ["kval-tests", "sweep-append", "sweep-fused"]  # side by side
-    assert names[3:] == ["kbench-anchors", "kbench-engine-d64", "e2e", "startup", "agree",
-                         "kvgpu", "kvtier", "preempt"]
-    assert _cmd(steps, "kval-tests").endswith("tests --ignore=tests/test_kv_tier_gpu.py")
-    assert "--cases 7 --path fused" in _cmd(steps, "sweep-fused")
-    kb = _cmd(steps, "kbench-engine-d64")
-    assert "cli kernel --suite engine-d64 --register tag.py --backends ion,ion-attn" in kb
+    # test shards and sweep shards side by side, then one step each
+    assert sorted(names[:4]) == ["kval-tests-00", "kval-tests-01", "sweep-0", "sweep-1"]
+    assert names[4:] == ["kbench", "e2e", "startup", "agree", "kvgpu", "kvtier", "preempt"]
+    shards = _cmd(steps, "kval-tests-00") + " " + _cmd(steps, "kval-tests-01")
+    assert "tests/test_kv_append.py::test_kv_append_matches_reference" in shards
+    sweeps = [_cmd(steps, f"sweep-{i}") for i in (0, 1)]
+    assert all("--cases 7 --seed" in c for c in sweeps)
+    assert {c.split("--seed ")[1].split()[0] for c in sweeps} == {
+        sweeps[0].split("--seed ")[1].split()[0]}, "the sweep shards share one seed"
+    assert "--shard 0/2" in sweeps[0] and "--shard 1/2" in sweeps[1]
+    kb = _cmd(steps, "kbench")
+    assert ("cli kernel --suite anchors --suite engine-d64 --register tag.py "
+            "--backends ion,ion-attn") in kb
     e2e = _cmd(steps, "e2e")
     assert "--serve --colocate --workload seed --backends ION,ION@/x/tag,FLASH_ATTN" in e2e
     assert f"--model {tmp_path / 'model'}" in e2e and "--time-budget 900" in e2e
-    assert _cmd(steps, "startup").endswith(f"--repeats 2 --model {tmp_path / 'model'} --out "
-                                           f"{tmp_path / 'out' / 'startup'} --max-model-len 8192")
+    assert _cmd(steps, "startup").endswith(f"--repeats 2 --cold all --model {tmp_path / 'model'}"
+                                           f" --out {tmp_path / 'out' / 'startup'} "
+                                           "--max-model-len 8192")
     assert f"kv_tier_preempt_check.py {tmp_path / 'tiny'}" in _cmd(steps, "preempt")
     assert steps.splitlines()[-1].split()[1:] == ["all", "done"]
     assert not list((tmp_path / "tmp").iterdir())  # the scratch dir is gone

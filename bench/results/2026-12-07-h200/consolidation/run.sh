@@ -14,6 +14,7 @@ tag=$(cd "${2:?usage: run.sh OUT TAG_TREE}" && pwd)
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TAG_TREE=$tag \
 SESSION_STEPS=${SESSION_STEPS:-"kval kbench startup e2e"} KVAL_KV_TIER=1 STARTUP_COLD=all \
+KVAL_TESTS="tests/test_kernel_gpu.py tests/test_kv_append.py tests/test_kv_tier_gpu.py tests/test_gpu_sweep.py tests/test_bench_gpu.py" \
 KBENCH_SUITES="anchors engine engine-d64" \
 KBENCH_BACKENDS=tag-ion,ion,tag-ion-attn,ion-attn,fa3 \
 KBENCH_REGISTER=$here/tag_backends.py \
