@@ -1,44 +1,14 @@
 """Phantom-pass work planner for IonAttention (pure numpy, no torch / vLLM imports).
 
 Given the batch layout (``query_start_loc``, ``seq_lens``) the planner enumerates every
-(request, KV head, q tile, KV split) tile the causal paged-attention kernel has to run,
+(request, KV head, q tile, KV split) item the causal paged-attention kernel has to run,
 drops every phantom (requests without new tokens or without KV, pages past the sequence,
-pages fully masked by causality for the tile), decides per (request, head, q tile)
-whether to split the KV range flash-decoding style, and balances the surviving items over
-``num_ctas`` persistent CTAs.  The output layout is the binding work list of
-``docs/contract.md``; the cost model is documented in ``docs/planner.md``.
-
-Split-KV partial-output layout (shared with the kernel and its combine pass):
-  * fp32 workspace ``partial_o [partial_rows, D]`` plus ``partial_lse [partial_rows]``.
-  * A split group (b, h, q tile) with ``S`` splits and ``ntok`` tokens owns
-    ``S * ntok * Gp`` consecutive rows starting at its ``base`` (combine column ``C_BASE``);
-    split ``s`` writes rows ``base + s * ntok * Gp + r`` where ``r = t * Gp + g`` is the
-    packed MMA row (token ``t`` of the tile, group head ``g``; rows with ``g >= G`` are
-    padding and need not be written).  ``Plan.partial_offsets[i]`` is that split's first
-    row (``base + s * ntok * Gp``), ``-1`` for unsplit items.
-
-Unpacked prefill tiles (``plan(..., unpacked_prefill=True)``, work col ``QHEAD``):
-  * A packed item (QHEAD = -1) is a q tile of ``tokens_per_tile = tile_m // Gp`` tokens
-    times ``Gp`` q heads.  An unpacked item (QHEAD = g >= 0) is ONE q head ``h * G + g`` times
-    ``tile_m`` consecutive new tokens of the request (QSTART/QLEN in tokens as always), so
-    no MMA row is GQA padding.
-  * Rule: a request is tiled unpacked iff ``G < Gp`` (padding exists), ``q_len >= tile_m``
-    and the cost model (``CostModel.item_us`` summed over the request's tiles of one KV
-    head) rates the G unpacked tilings cheaper than the packed one (e.g. G = 7: q = 64 ->
-    7 tiles instead of 8; q = 65 -> 14 instead of 9, stays packed).  Decode rows and every
-    request with ``G == Gp`` stay packed, so one launch still serves mixed batches.
-  * Unpacked items split KV like packed ones.  The G unpacked tiles of one (request,
-    KV head, token range of ``ntok`` tokens) have the same pages and so the same split
-    count ``S``; together they own ``S * ntok * Gp`` workspace rows from ``base``, cut into
-    *chunks* of ``c = 64 // Gp`` tokens (a 64-row packed tile's tokens), each one combine
-    group of the packed layout above: chunk ``k`` (``n_k = min(c, ntok - k * c)``
-    tokens) is group ``(b, h, tok0 + k * c, n_k, S, base + k * S * 64)``, so split ``s`` of
-    q head ``g`` writes token ``t`` (``k = t // c``) to row
-    ``base + k * S * 64 + s * n_k * Gp + (t % c) * Gp + g`` (``partial_row``).  Its
-    ``partial_offsets`` entry is ``base + g``; the kernel adds the rest from the item's
-    split index, split count and token count.  The combine pass is unchanged, and a
-    prefill tile of 128 or 192 tokens gives it 16 or 24 groups of 64 rows to spread over
-    the grid instead of one long one.  Causal pruning is per tile as for packed tiles.
+pages fully masked by causality for the tile), decides per tile whether to split its KV
+range (split-KV, merged by the combine pass), tiles long prefill rows of a padded GQA group
+one q head at a time (unpacked tiles, ``unpacked_requests``), and balances the items over
+``num_ctas`` persistent CTAs by a cost model (``cost_model.py``).  The work list, the
+split-KV workspace layout (``partial_row``) and the combine groups are the contract of
+docs/contract.md; the method is docs/planner.md.
 """
 from __future__ import annotations
 

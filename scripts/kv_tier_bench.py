@@ -112,7 +112,7 @@ def child(cfg: dict) -> dict:
     runs = []
     for r in range(cfg.get("repeats", 1)):
         if cfg.get("gate_dir"):  # --colocate: measure only when the parent says so
-            from ion_vllm.bench.start_gate import ready_then_wait
+            from start_gate import ready_then_wait
 
             ready_then_wait(cfg["gate_dir"], cfg["name"], r)
         runs.append(run_workload(llm, sp, cfg, cfg["seed"] + r))
@@ -158,7 +158,7 @@ def run_workload(llm, sp, cfg: dict, seed: int) -> dict:
     """One pass of the multi-turn workload on a warm engine; its metrics are deltas."""
     from vllm.inputs import TokensPrompt
 
-    from ion_vllm.bench.gpu_busy import GpuBusySampler
+    from gpu_busy import GpuBusySampler
     from ion_vllm.bench.offload_configs import prometheus_sums
 
     rng = random.Random(seed)
@@ -342,9 +342,9 @@ def run_colocated(base: dict, names: list[str], on_result, rotate: bool = True) 
     """--colocate: every config's engine starts at once (each planning for 1/n of the GPU
     memory; separate compile caches); once all are up, they measure one at a time, the
     repeats interleaved (once per repeat, in the config order, rotated by one each round
-    with ``rotate``; see ion_vllm.bench.start_gate).
+    with ``rotate``; see scripts/start_gate.py).
     ``on_result(result)`` gets each config's result dict."""
-    from ion_vllm.bench.start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
+    from start_gate import GatedChild, engine_env, gpu_memory_fraction, run_gated
 
     with tempfile.TemporaryDirectory() as d:
         frac = gpu_memory_fraction(len(names))

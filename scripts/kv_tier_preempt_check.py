@@ -136,7 +136,7 @@ def run_children(cfgs: list[dict]) -> list[dict]:
     """Run each config in its own process, all at once (each told to plan for 1/n of the
     GPU memory when there are several); return their results in order.  Correctness
     runs: nothing here is timed, so they may share the GPU."""
-    from ion_vllm.bench.start_gate import engine_env, gpu_memory_fraction
+    from start_gate import engine_env, gpu_memory_fraction
 
     frac = gpu_memory_fraction(len(cfgs)) if len(cfgs) > 1 else None
     with tempfile.TemporaryDirectory() as d:

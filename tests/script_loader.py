@@ -5,6 +5,9 @@ import os
 import sys
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+# scripts import their sibling modules (start_gate, gpu_busy) as a script run would
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
 
 
 def load_script(filename: str, module_name: str):

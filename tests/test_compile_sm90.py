@@ -59,7 +59,7 @@ def _compile_one(kind: str, key) -> tuple[str, str | None]:
     """(PTX, SASS) of one kernel; runs in a worker process."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from cute_kernels import attention
-    from cute_kernels.compile_utils import compile_sm90a
+    from compile_utils import compile_sm90a
     from cute_kernels.options import KernelOptions
 
     options = key if kind == "attention" else KernelOptions(*key)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from cute_kernels import append_sm90 as kv_mod  # noqa: E402
-from cute_kernels.compile_utils import compile_sm90a  # noqa: E402
+from compile_utils import compile_sm90a  # noqa: E402
 from cute_kernels.append_sm90 import (  # noqa: E402
     KVAppendKernel,
     kv_append,

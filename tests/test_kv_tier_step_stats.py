@@ -1,6 +1,6 @@
 """CPU checks of the KV-tier benchmark's wall-time breakdown: engine steps and tokens from
 vLLM's histograms, prompt tokens by source, and the NVML GPU-busy sampler
-(``ion_vllm/bench/gpu_busy.py``).  They say where a slower config's extra wall time goes:
+(``scripts/gpu_busy.py``).  They say where a slower config's extra wall time goes:
 more steps, longer steps with the GPU busy, or the GPU idle."""
 
 import threading
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 from script_loader import load_script
 
-from ion_vllm.bench.gpu_busy import GpuBusySampler, summarize
+import script_loader  # noqa: F401  (puts scripts/ on sys.path)
+from gpu_busy import GpuBusySampler, summarize
 from ion_vllm.bench.offload_configs import prometheus_sums
 
 bench = load_script("kv_tier_bench.py", "kv_tier_bench_steps_script")

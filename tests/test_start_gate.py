@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-from ion_vllm.bench.start_gate import GatedChild, gpu_memory_fraction, run_gated
+import script_loader  # noqa: F401  (puts scripts/ on sys.path)
+from start_gate import GatedChild, gpu_memory_fraction, run_gated
 
 CHILD = r"""
 import json, os, sys, time
-from ion_vllm.bench.start_gate import ready_then_wait
+from start_gate import ready_then_wait
 gate, name, log = sys.argv[1], sys.argv[2], sys.argv[3]
 startup, work, rounds = float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 s0 = time.time(); time.sleep(startup); s1 = time.time()   # the "engine start"
@@ -134,7 +135,7 @@ def test_gpu_memory_fraction():
 
 
 def test_engine_env_gives_each_engine_its_own_compile_cache(tmp_path):
-    from ion_vllm.bench.start_gate import engine_env
+    from start_gate import engine_env
 
     a, b = engine_env(str(tmp_path), "a"), engine_env(str(tmp_path), "b", {"X": "1"})
     assert a["VLLM_CACHE_ROOT"] != b["VLLM_CACHE_ROOT"]

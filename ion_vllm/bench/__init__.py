@@ -3,6 +3,5 @@
 Modules: ``kernel_suite`` (named shapes, bytes/FLOPs), ``kernel_runner`` (GPU timing of
 each registered backend), ``e2e`` (vLLM ``bench throughput`` / ``serve`` drivers),
 ``startup`` (``vllm serve`` time-to-ready), ``report`` (summary.json, table.md, plot.png),
-``cli`` (entry point ``main``); ``start_gate`` and ``gpu_busy`` serve the KV-tier
-benchmark scripts.  Importing this package imports neither torch nor vLLM.
+``cli`` (entry point ``main``).  Importing this package imports neither torch nor vLLM.
 """

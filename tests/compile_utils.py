@@ -60,7 +60,7 @@ What we found in nvidia-cutlass-dsl 4.6.0 (``cutlass/base_dsl``):
 
 Usage::
 
-    from cute_kernels.compile_utils import compile_sm90a, fake_tensor, fake_stream
+    from compile_utils import compile_sm90a, fake_tensor, fake_stream
     art = compile_sm90a(my_host_fn, fake_tensor(torch.float16, (None, 128)), fake_stream())
     assert "cp.async.bulk.tensor" in art.ptx
 """
