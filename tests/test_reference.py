@@ -1,7 +1,7 @@
-"""CPU tests of cute_kernels.reference against a naive dense implementation."""
+"""CPU tests of cute_kernels.reference (the fp32 reference every kernel test compares
+against, and its PyTorch-in-bf16/fp16 yardstick) against a naive dense implementation."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -14,12 +14,14 @@ from cute_kernels.reference import (
     relative_error,
     written_rows_mask,
 )
+from plan_checks import seeded  # noqa: F401  (a fixture)
 
 PAGE = 64
 
 
 def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale):
-    """Dense float64 attention: gather token by token, explicit tril mask."""
+    """Dense float64 attention: gather key by key through the block table, explicit tril
+    mask, one q head at a time."""
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_cache.shape
     g = hq // hkv
@@ -30,10 +32,10 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale):
         ql = e - s
         if ql == 0 or L == 0:
             continue
-        k = torch.stack([k_cache[int(block_table[b, p // page]), :, p % page]
-                         for p in range(L)]).double()  # [L, Hkv, D]
-        v = torch.stack([v_cache[int(block_table[b, p // page]), :, p % page]
-                         for p in range(L)]).double()
+        pos = torch.arange(L)
+        blk = block_table[b, pos // page].long()  # the page of every key position
+        k = k_cache[blk, :, pos % page].double()  # [L, Hkv, D]
+        v = v_cache[blk, :, pos % page].double()
         k = k.repeat_interleave(g, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(g, dim=1)
         full_mask = torch.tril(torch.ones(L, L, dtype=torch.bool))
@@ -73,30 +75,52 @@ def test_reference_matches_naive(idx, dtype):
     torch.testing.assert_close(ref.double(), naive, atol=2e-5, rtol=2e-5)
 
 
-def test_reference_random_many():
-    rng = random.Random(7)
-    for i in range(25):
-        hkv = rng.randint(1, 4)
-        g = rng.choice([1, 4, 7, 8])
-        d = rng.choice([64, 128])
-        b = rng.randint(1, 5)
+def test_reference_random_many(seeded):
+    rng = seeded.rng()
+    for i in range(15):
+        hkv = int(rng.integers(1, 5))
+        g = int(rng.choice([1, 4, 7, 8]))
+        d = int(rng.choice([64, 128]))
         q_lens, seq_lens = [], []
-        for _ in range(b):
+        for _ in range(int(rng.integers(1, 6))):
             kind = rng.random()
             if kind < 0.15:
                 q_lens.append(0)
-                seq_lens.append(rng.choice([0, rng.randint(1, 300)]))
+                seq_lens.append(int(rng.choice([0, int(rng.integers(1, 301))])))
                 continue
-            L = rng.choice([rng.randint(1, 400), PAGE * rng.randint(1, 5) + rng.choice([-1, 0, 1])])
-            ql = 1 if kind < 0.6 else rng.randint(1, L)
-            q_lens.append(ql)
+            L = int(rng.choice([int(rng.integers(1, 401)),
+                                PAGE * int(rng.integers(1, 6)) + int(rng.choice([-1, 0, 1]))]))
+            q_lens.append(1 if kind < 0.6 else int(rng.integers(1, min(L, 160) + 1)))
             seq_lens.append(L)
-        q, kc, vc, qsl, sl, bt = make_paged_case(i, q_lens, seq_lens, g * hkv, hkv, d,
-                                                 PAGE, torch.bfloat16, pad_rows=rng.randint(0, 3))
-        scale = rng.uniform(0.05, 0.2)
+        q, kc, vc, qsl, sl, bt = make_paged_case(int(rng.integers(1 << 30)), q_lens, seq_lens,
+                                                 g * hkv, hkv, d, PAGE, torch.bfloat16,
+                                                 pad_rows=int(rng.integers(0, 4)))
+        scale = float(rng.uniform(0.05, 0.2))
         ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
         naive = naive_attention(q, kc, vc, qsl, sl, bt, scale)
-        assert relative_error(ref, naive) < 1e-5, (q_lens, seq_lens)
+        with seeded.case(i=i, q_lens=q_lens, seq_lens=seq_lens, hkv=hkv, g=g, d=d):
+            assert relative_error(ref, naive) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_dtype_is_plain_pytorch_in_that_dtype(dtype):
+    """``compute_dtype=q.dtype``: the same attention computed as PyTorch does in bf16/fp16
+    (products in it, softmax in fp32 rounded back): its outputs are values of that dtype,
+    close to the fp32 result but not equal to it (the yardstick of a kernel's error)."""
+    q, kc, vc, qsl, sl, bt = make_paged_case(21, [70, 1, 0, 3], [200, 129, 9, 3], 8, 2, 64,
+                                             PAGE, dtype, pad_rows=2)
+    fp32 = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125)
+    assert torch.equal(fp32, reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125,
+                                                       compute_dtype=torch.float32))
+    low = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125, compute_dtype=dtype)
+    assert low.dtype == torch.float32 and low.shape == q.shape
+    assert torch.equal(low, low.to(dtype).float()), "outputs are values of the dtype"
+    mask = written_rows_mask(qsl, sl, q.shape[0])
+    assert (low[~mask] == 0).all()
+    err = relative_error(low, fp32, mask)
+    assert 0 < err < 2e-2, err
+    naive = naive_attention(q, kc, vc, qsl, sl, bt, 0.125).float()
+    assert relative_error(low, naive, mask) < 2e-2
 
 
 def test_long_chunk_is_chunked_correctly(monkeypatch):

@@ -1,4 +1,5 @@
-"""CPU tests: `--attention-backend ION` through vLLM 0.26's own CLI parser and config.
+"""CPU tests: `--attention-backend ION` through vLLM 0.26's own CLI parser and config, and
+the ``vllm.general_plugins`` hook (``ion_vllm.register``) in a fresh process.
 
 Everything here runs on a CPU-only machine: vLLM's platform is forced to CpuPlatform and
 the model is a tiny Qwen2 config.json written into tmp_path (no hub access).
@@ -17,7 +18,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ION_PATH = "ion_vllm.backend.IonAttentionBackend"
+from ion_vllm import BACKEND_NAME, BACKEND_QUALNAME  # noqa: E402
+
+EXPECTED_QUALNAME = "ion_vllm.backend.IonAttentionBackend"
 
 TINY_QWEN2 = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -65,29 +68,13 @@ def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 # ----------------------------------------------------------------------------- register()
-def test_register_is_idempotent_cheap_and_keeps_enum_iteration():
-    res = run_python("""
-        import sys
-        import torch
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-        members_before = list(AttentionBackendEnum)
-        import ion_vllm
-        ion_vllm.register()
-        ion_vllm.register()
-        from ion_vllm.registration import is_registered
-        assert is_registered()
-        assert AttentionBackendEnum["ION"] is AttentionBackendEnum.CUSTOM
-        assert AttentionBackendEnum["CUSTOM"] is AttentionBackendEnum.CUSTOM
-        assert AttentionBackendEnum.CUSTOM.get_path() == "%s"
-        assert list(AttentionBackendEnum) == members_before, "iteration changed"
-        assert "ION" in AttentionBackendEnum.__members__
-        heavy = [m for m in ("cutlass", "cute_kernels", "ion_vllm.backend") if m in sys.modules]
-        assert not heavy, heavy
-        assert not torch.cuda.is_initialized()
-        print("OK")
-    """ % ION_PATH)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.strip().endswith("OK")
+def test_exported_names():
+    import ion_vllm
+    from ion_vllm import registration, validation
+
+    assert (BACKEND_NAME, BACKEND_QUALNAME) == ("ION", EXPECTED_QUALNAME)
+    assert ion_vllm.__all__ == ["BACKEND_NAME", "BACKEND_QUALNAME", "register"]
+    assert validation.BACKEND_NAME == registration.BACKEND_NAME == BACKEND_NAME
 
 
 def test_entry_point_is_installed():
@@ -101,18 +88,44 @@ def test_entry_point_is_installed():
     assert eps["ion"].load() is ion_vllm.register
 
 
-def test_vllm_load_general_plugins_registers_ion():
-    res = run_python("""
+def test_plugins_register_ion_in_a_fresh_process(cpu_platform, tiny_model, tmp_path):
+    """What a `vllm serve` engine or worker process does: the config arrives pickled and is
+    unpickled *before* plugins load there (the backend must still be CUSTOM); then vLLM's
+    plugin loader runs ``ion_vllm.register`` (ION resolves to the backend class).
+    ``register`` is idempotent and cheap (no CUDA, no CuTe, no backend import) and keeps the
+    enum's iteration."""
+    cfg = engine_config_from_cli(["--model", tiny_model, "--attention-backend", "ION",
+                                  "--skip-tokenizer-init", "--load-format", "dummy"])
+    blob = tmp_path / "vllm_config.pkl"
+    blob.write_bytes(pickle.dumps(cfg))
+    res = run_python(f"""
+        import pickle, sys
+        import torch
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        members_before = list(AttentionBackendEnum)
         assert "ION" not in AttentionBackendEnum.__members__
         assert not AttentionBackendEnum.CUSTOM.is_overridden()
+        cfg = pickle.loads(open({str(blob)!r}, "rb").read())
+        backend = cfg.attention_config.backend
+        assert backend is AttentionBackendEnum.CUSTOM, backend
+        assert not backend.is_overridden()  # plugins not loaded yet in this process
         from vllm.plugins import load_general_plugins
         load_general_plugins()
-        assert AttentionBackendEnum["ION"] is AttentionBackendEnum.CUSTOM
+        assert AttentionBackendEnum["ION"] is backend is AttentionBackendEnum["CUSTOM"]
+        import ion_vllm
+        from ion_vllm.registration import is_registered
+        ion_vllm.register()
+        ion_vllm.register()
+        assert is_registered()
+        assert list(AttentionBackendEnum) == members_before, "iteration changed"
+        assert "ION" in AttentionBackendEnum.__members__
+        heavy = [m for m in ("cutlass", "cute_kernels", "ion_vllm.backend") if m in sys.modules]
+        assert not heavy, heavy
+        assert not torch.cuda.is_initialized()
         print(AttentionBackendEnum.CUSTOM.get_path())
     """)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.strip().splitlines()[-1] == ION_PATH
+    assert res.stdout.strip().splitlines()[-1] == EXPECTED_QUALNAME
 
 
 # ----------------------------------------------------------------------------- CLI + config
@@ -124,7 +137,7 @@ def test_cli_attention_backend_resolves_to_ion(cpu_platform, tiny_model, name):
                                   "--skip-tokenizer-init", "--load-format", "dummy"])
     backend = cfg.attention_config.backend
     assert backend is AttentionBackendEnum.CUSTOM
-    assert backend.get_path() == ION_PATH
+    assert backend.get_path() == EXPECTED_QUALNAME
     from ion_vllm.backend import IonAttentionBackend
 
     assert backend.get_class() is IonAttentionBackend
@@ -142,7 +155,7 @@ def test_serve_parser_accepts_ion(cpu_platform, tiny_model):
                               "--skip-tokenizer-init", "--load-format", "dummy"])
     cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     assert cfg.attention_config.backend is AttentionBackendEnum.CUSTOM
-    assert cfg.attention_config.backend.get_path() == ION_PATH
+    assert cfg.attention_config.backend.get_path() == EXPECTED_QUALNAME
 
 
 def test_unknown_backend_is_still_refused(cpu_platform, tiny_model):
@@ -151,29 +164,6 @@ def test_unknown_backend_is_still_refused(cpu_platform, tiny_model):
                                 "--skip-tokenizer-init", "--load-format", "dummy"])
     assert "Unknown attention backend" in str(err.value)
     assert "ION" in str(err.value)
-
-
-def test_config_survives_pickle_into_fresh_process(cpu_platform, tiny_model, tmp_path):
-    """Like `vllm serve`: the config is unpickled in a fresh process *before* plugins load
-    there; the backend must still be CUSTOM and resolve to ION once plugins are loaded."""
-    cfg = engine_config_from_cli(["--model", tiny_model, "--attention-backend", "ION",
-                                  "--skip-tokenizer-init", "--load-format", "dummy"])
-    blob = tmp_path / "vllm_config.pkl"
-    blob.write_bytes(pickle.dumps(cfg))
-    res = run_python(f"""
-        import pickle
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-        cfg = pickle.loads(open({str(blob)!r}, "rb").read())
-        backend = cfg.attention_config.backend
-        assert backend is AttentionBackendEnum.CUSTOM, backend
-        assert not backend.is_overridden()  # plugins not loaded yet in this process
-        from vllm.plugins import load_general_plugins
-        load_general_plugins()
-        assert AttentionBackendEnum["ION"] is backend
-        print(backend.get_path())
-    """)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stdout.strip().splitlines()[-1] == ION_PATH
 
 
 def test_ion_logs_reach_vllms_handler(monkeypatch):

@@ -114,17 +114,27 @@ def test_bad_layer_is_refused(override, what):
     assert what in str(err.value)
 
 
-def test_impl_refuses_bad_layer_at_construction():
-    from ion_vllm.backend import IonAttentionImpl
+def test_rules_follow_the_kernel_options():
+    """The backend's rules are the kernels' compile options, defined once."""
+    from cute_kernels import options
 
-    with pytest.raises(IonUnsupportedError, match="GQA ratio 16"):
-        IonAttentionImpl(num_heads=64, head_size=128, scale=0.1, num_kv_heads=4)
-    with pytest.raises(IonUnsupportedError, match="ALiBi"):
-        IonAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=8,
-                         alibi_slopes=[0.1] * 8)
-    with pytest.raises(IonUnsupportedError, match="soft cap"):
-        IonAttentionImpl(8, 64, 0.1, 8, None, None, "auto", 50.0)
-    with pytest.raises(IonUnsupportedError, match="sinks"):
-        IonAttentionImpl(8, 64, 0.1, 8, sinks=torch.zeros(8))
-    impl = IonAttentionImpl(num_heads=28, head_size=128, scale=0.088, num_kv_heads=4)
-    assert impl.num_queries_per_kv == 7 and impl.scale == pytest.approx(0.088)
+    assert validation.SUPPORTED_HEAD_SIZES == options.SUPPORTED_HEAD_DIMS == (64, 128)
+    assert validation.SUPPORTED_DTYPES == options.SUPPORTED_DTYPES == ("bfloat16", "float16")
+    assert validation.KERNEL_BLOCK_SIZE == options.PAGE_SIZE == 64
+    assert validation.MAX_GQA_RATIO == options.MAX_GROUP == 8
+    for g in range(1, 9):  # every ratio the rules accept has a kernel group pad
+        assert validation.gqa_reason(4 * g, 4) is None
+        options.group_pad_for(g)
+
+
+def test_capability_forms_and_block_sizes():
+    from vllm.platforms.interface import DeviceCapability
+
+    for ok in ((9, 0), 90, DeviceCapability(9, 0)):
+        assert validation.compute_capability_reason(ok) is None, ok
+    assert "sm_80" in validation.compute_capability_reason(80)
+    assert "no GPU capability" in validation.compute_capability_reason(None)
+    assert validation.dtype_name("torch.float16") == validation.dtype_name(torch.float16)
+    for bad in (0, -64, 32, 100):
+        assert "--block-size 64" in validation.block_size_reason(bad), bad
+    assert validation.block_size_reason(None) is None and validation.block_size_reason(192) is None
