@@ -111,9 +111,9 @@ def test_safe_strides_fixes_size1_dims_only():
 
 
 def test_compiled_kernel_is_cached_per_config():
-    a = kv_mod._compiled_kernel(torch.float16, 64, 2, 16, torch.int32)
-    b = kv_mod._compiled_kernel(torch.float16, 64, 2, 16, torch.int32)
-    c = kv_mod._compiled_kernel(torch.float16, 64, 2, 16, torch.int64)
+    a = kv_mod.compiled_kv_append(torch.float16, 64, 2, 16, torch.int32)
+    b = kv_mod.compiled_kv_append(torch.float16, 64, 2, 16, torch.int32)
+    c = kv_mod.compiled_kv_append(torch.float16, 64, 2, 16, torch.int64)
     assert a is b
     assert c is not a
 
