@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's evidence as one chain that may outlive a 10-minute device command:
 #   setsid nohup scripts/gpu_session.sh OUT > OUT.log 2>&1 &     # then poll OUT/steps.txt
-# Steps (SESSION_STEPS, space-separated, run in this order; default "kval kbench e2e startup"):
+# Steps (SESSION_STEPS, space-separated, run in this order; default "kval kbench startup e2e"):
 #   kval     the kernel GPU tests (pytest -m gpu over KVAL_TESTS, default tests; the KV
 #            tier's too with KVAL_KV_TIER=1,
 #            instead of step kvgpu after it) in KVAL_SHARDS (8)
@@ -137,18 +137,18 @@ if want kbench; then
     --backends "${KBENCH_BACKENDS:-ion,ion-attn,ion-append,fa3,fa3-layer}" \
     --timing interleaved --out "$out/kbench"
 fi
-if want e2e; then
-  step e2e "$(( ${E2E_BUDGET_S:-900} + 300 ))" python3 -m ion_vllm.bench.cli e2e --serve \
-    --colocate --workload "${E2E_WORKLOADS:-seed,skewed}" --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" \
-    --repeats "${E2E_REPEATS:-2}" --kv-cache-gib "${E2E_KV_GIB:-29}" \
-    --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
-fi
 if want startup; then
   # shellcheck disable=SC2086  # STARTUP_ARGS is a list of vllm serve flags
   step startup "${STARTUP_S:-2400}" python3 -m ion_vllm.bench.cli startup \
     --backends "${STARTUP_BACKENDS:-ION,FLASH_ATTN}" --repeats "${STARTUP_REPEATS:-1}" \
     --cold "${STARTUP_COLD:-kernels}" \
     --model "$model" --out "$out/startup" ${STARTUP_ARGS:-}
+fi
+if want e2e; then
+  step e2e "$(( ${E2E_BUDGET_S:-900} + 300 ))" python3 -m ion_vllm.bench.cli e2e --serve \
+    --colocate --workload "${E2E_WORKLOADS:-seed,skewed}" --backends "${E2E_BACKENDS:-ION,FLASH_ATTN}" \
+    --repeats "${E2E_REPEATS:-2}" --kv-cache-gib "${E2E_KV_GIB:-29}" \
+    --time-budget "${E2E_BUDGET_S:-900}" --model "$model" --out "$out/e2e"
 fi
 if want agree; then
   # shellcheck disable=SC2086

@@ -43,7 +43,7 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
     # test shards and sweep shards side by side, then one step each
     assert sorted(names[:4]) == ["kval-tests-00", "kval-tests-01", "sweep-0", "sweep-1"]
-    assert names[4:] == ["kbench", "e2e", "startup", "agree", "kvgpu", "kvtier", "preempt"]
+    assert names[4:] == ["kbench", "startup", "e2e", "agree", "kvgpu", "kvtier", "preempt"]
     shards = _cmd(steps, "kval-tests-00") + " " + _cmd(steps, "kval-tests-01")
     assert "tests/test_kv_append.py::test_kv_append_matches_reference" in shards
     sweeps = [_cmd(steps, f"sweep-{i}") for i in (0, 1)]
