@@ -21,21 +21,9 @@ from .cost_model import DEFAULT_COST_MODEL, CostModel
 from .options import PAGE_SIZE
 from .worklist import COMBINE_COLS, WORK_COLS
 
-__all__ = [
-    "Plan",
-    "next_pow2",
-    "unpacked_requests",
-    "kv_units",
-    "partial_row",
-    "fresh_tile_owned",
-    "fresh_mask_units",
-    "fresh_writeback_items",
-    "plan",
-    "plan_reuse_key",
-    "pack_plan",
-    "worst_case_items",
-    "worst_case_groups",
-]
+__all__ = ["Plan", "next_pow2", "unpacked_requests", "kv_units", "partial_row",
+    "fresh_tile_owned", "fresh_mask_units", "fresh_writeback_items", "plan",
+    "plan_reuse_key", "pack_plan", "worst_case_items", "worst_case_groups"]
 
 # Only a few of the best split candidates (ranked by a lower bound) are scheduled for real.
 _MAX_SPLIT_EVALS = 3
@@ -227,11 +215,6 @@ class Plan:
         return int(self.cta_offsets.shape[0] - 1)
 
 
-# --------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------
-
-
 def _as_int_vector(x, name: str) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1:
@@ -407,9 +390,22 @@ def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False,
     )
 
 
-# --------------------------------------------------------------------------------------
-# planner
-# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tiles:
+    """One entry per q tile of a batch, ordered (b, h, q head slot, q tile)."""
+    req: np.ndarray  # request
+    head: np.ndarray  # KV head
+    qhead: np.ndarray  # q head of an unpacked tile, -1 for packed tiles
+    tok0: np.ndarray  # first token of the tile in its request
+    ntok: np.ndarray  # tokens in the tile
+    ntr: np.ndarray  # q tiles per slot of the tile's request
+    n_pages: np.ndarray  # KV pages (fused writeback: KV units) the tile reads
+    rows: np.ndarray  # MMA rows carrying data
+    unp: np.ndarray  # tile of an unpacked request
+    pu: np.ndarray  # modeled us per page
+    f_un: np.ndarray  # modeled fixed us, unsplit
+    f_sp: np.ndarray  # modeled fixed us, split
+
 
 
 def plan(
@@ -430,12 +426,12 @@ def plan(
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
-    ``fresh_kv=True`` plans for the fused-writeback kernel: work cols 4/5 then index KV
-    *units* instead of cache pages (``kv_units``): a q tile reads the request's
+    ``fresh_kv=True`` plans for the fused-writeback kernel: work columns P0/P1 then index
+    KV *units* instead of cache pages (``kv_units``): a q tile reads the request's
     ``ceil(ctx / P)`` old pages plus the fresh tiles its tokens need.
     ``unpacked_prefill=True`` tiles long prefill rows of a padded GQA group (G < Gp) one
-    q head x ``tile_m`` tokens per item (work col 8 >= 0, rule: ``unpacked_requests``);
-    the plan must then run on the ``unpacked_prefill`` kernel variant.
+    q head x ``tile_m`` tokens per item (QHEAD >= 0, rule: ``unpacked_requests``); the
+    plan then runs on the kernel's unpacked tiles.
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -449,7 +445,6 @@ def plan(
     gp = next_pow2(group_size)
     if tile_m < gp or tile_m % gp:
         raise ValueError(f"tile_m={tile_m} must be a multiple of Gp={gp}")
-    tpt = tile_m // gp
 
     qsl = _as_int_vector(query_start_loc, "query_start_loc")
     sl = _as_int_vector(seq_lens, "seq_lens")
@@ -471,19 +466,49 @@ def plan(
     if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise OverflowError("sequence lengths / token counts must fit in int32")
 
-    # ---- tiles, ordered (b, h, q head slot, q tile) --------------------------------------
-    # packed requests: one slot (col 8 = -1), tpt tokens per tile; unpacked requests
-    # (unpacked_requests): G slots (q heads), tile_m tokens per tile
-    h_n = num_kv_heads
     unp = np.zeros(sl.shape[0], dtype=bool)
     if unpacked_prefill:
         unp = unpacked_requests(qsl, sl, group_size=group_size, page_size=page_size,
                                 tile_m=tile_m, cost_model=cm, fresh_kv=fresh_kv)
-    tpt_r = np.where(unp, tile_m, tpt)
+    t = _tiles(q_len, sl, live, unp, num_kv_heads=num_kv_heads, group_size=group_size,
+               page_size=page_size, tile_m=tile_m, cm=cm, fresh_kv=fresh_kv)
+
+    # no-split schedule, then the split-KV search against it
+    ones = np.ones(t.n_pages.shape[0], dtype=np.int64)
+    cost0 = t.f_un + t.n_pages * t.pu
+    cta0, loads0 = _balance(cost0, num_ctas)
+    best, best_comb = (ones, cta0, cost0), 0.0
+    if allow_split and max_splits > 1:
+        found = _search_splits(t, cost0, float(loads0.max()), gp=gp, tile_m=tile_m,
+                               num_ctas=num_ctas, max_splits=max_splits, cm=cm,
+                               max_partial_rows=max_partial_rows)
+        if found is not None:
+            best, best_comb = found
+
+    splits, cta, item_cost = best
+    cta = _refine(item_cost, cta, num_ctas)
+    if splits is not ones:
+        # the split was chosen on unrefined makespans: keep it only if it still beats the
+        # refined no-split schedule (so splitting never models worse than not)
+        cta0r = _refine(cost0, cta0, num_ctas)
+        split_total = float(np.bincount(cta, weights=item_cost, minlength=num_ctas).max())
+        if float(np.bincount(cta0r, weights=cost0, minlength=num_ctas).max()) <= (
+                split_total + best_comb):
+            splits, cta, item_cost = ones, cta0r, cost0
+    return _materialize(t, splits, cta, item_cost, gp=gp, tile_m=tile_m, num_ctas=num_ctas,
+                        cm=cm, fresh_kv=fresh_kv, unpacked=bool(unpacked_prefill))
+
+
+def _tiles(q_len, sl, live, unp, *, num_kv_heads: int, group_size: int, page_size: int,
+           tile_m: int, cm: CostModel, fresh_kv: bool) -> _Tiles:
+    """Every q tile with work: packed requests one slot (QHEAD -1) of tile_m // Gp tokens
+    a tile; unpacked requests G slots (q heads) of tile_m tokens a tile."""
+    gp = next_pow2(group_size)
+    tpt_r = np.where(unp, tile_m, tile_m // gp)
     slots_r = np.where(unp, group_size, 1)
     nt = np.where(live, (q_len + tpt_r - 1) // tpt_r, 0)  # q tiles per request (and slot)
     per_head = nt * slots_r
-    per_req = per_head * h_n
+    per_req = per_head * num_kv_heads
     req = np.repeat(np.arange(sl.shape[0], dtype=np.int64), per_req)
     k = np.arange(req.shape[0], dtype=np.int64) - (np.cumsum(per_req) - per_req)[req]
     ntr = nt[req]
@@ -503,105 +528,97 @@ def plan(
         n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
     # MMA rows carrying data: packed tiles Gp per token (padding loaded too), unpacked 1
     rows = np.where(tile_unp, ntok, ntok * gp)
-
-    # ---- per-tile cost pieces (tables over rows = 0 .. tile_m, then gathered) -----------
+    # per-tile cost pieces (tables over rows = 0 .. tile_m, then gathered)
     rows_tab = np.arange(tile_m + 1, dtype=np.int64)
-    pu = cm.page_us(rows_tab, page_size)[rows]
-    f_un = cm.fixed_us(rows_tab, False)[rows]
-    f_sp = cm.fixed_us(rows_tab, True)[rows]
+    return _Tiles(req=req, head=head, qhead=qhead, tok0=tok0, ntok=ntok, ntr=ntr,
+                  n_pages=n_pages, rows=rows, unp=tile_unp,
+                  pu=cm.page_us(rows_tab, page_size)[rows],
+                  f_un=cm.fixed_us(rows_tab, False)[rows],
+                  f_sp=cm.fixed_us(rows_tab, True)[rows])
 
-    # ---- no-split schedule --------------------------------------------------------------
-    n_tiles = n_pages.shape[0]
-    ones = np.ones(n_tiles, dtype=np.int64)
-    cost0 = f_un + n_pages * pu
-    cta0, loads0 = _balance(cost0, num_ctas)
-    best_total = float(loads0.max())
-    best = (ones, cta0, cost0)
-    best_comb = 0.0
-    mean0 = float(cost0.sum()) / num_ctas
 
-    # ---- split-KV search ----------------------------------------------------------------
-    # Any split config costs >= mean0 + combine launch (splitting only adds work), and it
-    # must beat the no-split makespan by split_min_gain: prune when that is impossible.
+def _search_splits(t: _Tiles, cost0, best_total: float, *, gp: int, tile_m: int,
+                   num_ctas: int, max_splits: int, cm: CostModel, max_partial_rows):
+    """The split-KV configuration that beats the no-split makespan ``best_total`` by
+    ``cm.split_min_gain`` with the lowest modeled makespan: ((splits, cta, item_cost),
+    combine us), or None.  Any split config costs >= mean + combine launch (splitting only
+    adds work): the search is pruned when that cannot win."""
+    n_pages, pu, f_un, f_sp, rows = t.n_pages, t.pu, t.f_un, t.f_sp, t.rows
     s_cap = np.minimum(max_splits, n_pages)
-    # partial workspace rows a tile's split group takes per split: ntok * Gp rows (packed
-    # rows are t * Gp + g); the G unpacked tiles of one token range share one group, which
-    # its q head 0 tile counts
-    grp_rows1 = np.where(qhead <= 0, ntok * gp, 0)
+    grp_rows1 = np.where(t.qhead <= 0, t.ntok * gp, 0)
     target = best_total * (1.0 - cm.split_min_gain)
-    if allow_split and max_splits > 1 and int(s_cap.max()) > 1 and mean0 + cm.combine_launch_us < target:
-        # Candidate caps on pages per chunk: a tile with n pages gets min(ceil(n / cap),
-        # max_splits, n) splits; caps are those that split the longest tile 2..max_splits ways.
-        nmax = int(n_pages.max())
-        s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
-        caps = np.unique((nmax + s_try - 1) // s_try)
-        n_even = caps.shape[0]
-        # partial splits: caps between nmax / 2 and nmax split only the tiles longer than
-        # the cap, in two.  When every tile is about as long (a prefill chunk over a long
-        # context: 3.4 unsplittable tiles a CTA at 128 rows) splitting all of them doubles
-        # the partial traffic, while halving the longest fifth already evens out the CTAs.
-        upper = n_pages[n_pages > -(-nmax // 2)]
-        if upper.size:
-            qs = np.quantile(upper, np.linspace(0.1, 0.9, _PARTIAL_SPLIT_CAPS),
-                             method="lower").astype(np.int64)
-            caps = np.concatenate([caps, np.setdiff1d(qs[qs < nmax], caps)])
-        # the first n_even caps split every long tile evenly, the rest are partial splits;
-        # each family gets its own _MAX_SPLIT_EVALS real evaluations
-        family = (np.arange(caps.shape[0]) >= n_even).astype(np.int64)
-        order = np.argsort(-caps, kind="stable")
-        caps, family = caps[order], family[order]
-        # Tiles with identical (pages, rows) behave identically: evaluate unique ones.
-        key = (n_pages * (tile_m + 1) + rows) * 2 + tile_unp
-        _, uidx, ucnt = np.unique(key, return_index=True, return_counts=True)
-        un, ucap, upu = n_pages[uidx], s_cap[uidx], pu[uidx]
-        ucost0, uf_sp, urows = cost0[uidx], f_sp[uidx], rows[uidx]
-        S = np.maximum(np.minimum(-(-un[None, :] // caps[:, None]), ucap[None, :]), 1)
-        sp = S > 1
-        total = ((np.where(sp, S * uf_sp + un * upu, ucost0)) * ucnt).sum(axis=1)
-        max_item = np.where(sp, uf_sp + (-(-un // S)) * upu, ucost0).max(axis=1)
-        min_item = np.where(sp, uf_sp + (un // S) * upu, ucost0).min(axis=1)
-        count = (S * ucnt).sum(axis=1)
-        # exact workspace rows of each cap (the unique tiles above merge q heads)
-        s_full = np.maximum(np.minimum(-(-n_pages[None, :] // caps[:, None]), s_cap[None, :]), 1)
-        part_rows = (np.where(s_full > 1, s_full, 0) * grp_rows1[None, :]).sum(axis=1)
-        comb_bytes = (
-            np.where(sp, S * urows * (cm.head_dim + 1) * cm.partial_bytes + urows * cm.head_dim * cm.q_bytes, 0)
-            * ucnt
-        ).sum(axis=1)
-        comb = cm.combine_launch_us + comb_bytes / (cm.bytes_per_us * num_ctas)
-        lb = np.maximum(np.maximum(total / num_ctas, max_item), -(-count // num_ctas) * min_item) + comb
-        ok = sp.any(axis=1)
-        if max_partial_rows is not None:
-            ok &= part_rows <= int(max_partial_rows)
-        evals = [0, 0]
-        for ci in np.argsort(lb, kind="stable"):
-            if min(evals) >= _MAX_SPLIT_EVALS or lb[ci] >= min(target, best_total):
-                break
-            if not ok[ci] or evals[family[ci]] >= _MAX_SPLIT_EVALS:
-                continue
-            evals[family[ci]] += 1
-            s_c = np.maximum(np.minimum(-(-n_pages // caps[ci]), s_cap), 1)
-            tile, _, p0, p1 = _expand_splits(n_pages, s_c)
-            split_c = s_c[tile] > 1
-            cost_c = np.where(split_c, f_sp[tile], f_un[tile]) + (p1 - p0) * pu[tile]
-            cta_c, loads_c = _balance(cost_c, num_ctas)
-            tot_c = float(loads_c.max()) + float(comb[ci])
-            if tot_c < min(target, best_total):
-                best_total = tot_c
-                best = (s_c, cta_c, cost_c)
-                best_comb = float(comb[ci])
+    mean0 = float(cost0.sum()) / num_ctas
+    if int(s_cap.max()) <= 1 or mean0 + cm.combine_launch_us >= target:
+        return None
+    # Candidate caps on pages per chunk: a tile with n pages gets min(ceil(n / cap),
+    # max_splits, n) splits; caps are those that split the longest tile 2..max_splits ways.
+    nmax = int(n_pages.max())
+    s_try = np.arange(2, min(max_splits, nmax) + 1, dtype=np.int64)
+    caps = np.unique((nmax + s_try - 1) // s_try)
+    n_even = caps.shape[0]
+    # partial splits: caps between nmax / 2 and nmax split only the tiles longer than
+    # the cap, in two.  When every tile is about as long (a prefill chunk over a long
+    # context: 3.4 unsplittable tiles a CTA at 128 rows) splitting all of them doubles
+    # the partial traffic, while halving the longest fifth already evens out the CTAs.
+    upper = n_pages[n_pages > -(-nmax // 2)]
+    if upper.size:
+        qs = np.quantile(upper, np.linspace(0.1, 0.9, _PARTIAL_SPLIT_CAPS),
+                         method="lower").astype(np.int64)
+        caps = np.concatenate([caps, np.setdiff1d(qs[qs < nmax], caps)])
+    # the first n_even caps split every long tile evenly, the rest are partial splits;
+    # each family gets its own _MAX_SPLIT_EVALS real evaluations
+    family = (np.arange(caps.shape[0]) >= n_even).astype(np.int64)
+    order = np.argsort(-caps, kind="stable")
+    caps, family = caps[order], family[order]
+    # Tiles with identical (pages, rows) behave identically: evaluate unique ones.
+    key = (n_pages * (tile_m + 1) + rows) * 2 + t.unp
+    _, uidx, ucnt = np.unique(key, return_index=True, return_counts=True)
+    un, ucap, upu = n_pages[uidx], s_cap[uidx], pu[uidx]
+    ucost0, uf_sp, urows = cost0[uidx], f_sp[uidx], rows[uidx]
+    S = np.maximum(np.minimum(-(-un[None, :] // caps[:, None]), ucap[None, :]), 1)
+    sp = S > 1
+    total = ((np.where(sp, S * uf_sp + un * upu, ucost0)) * ucnt).sum(axis=1)
+    max_item = np.where(sp, uf_sp + (-(-un // S)) * upu, ucost0).max(axis=1)
+    min_item = np.where(sp, uf_sp + (un // S) * upu, ucost0).min(axis=1)
+    count = (S * ucnt).sum(axis=1)
+    # exact workspace rows of each cap (the unique tiles above merge q heads)
+    s_full = np.maximum(np.minimum(-(-n_pages[None, :] // caps[:, None]), s_cap[None, :]), 1)
+    part_rows = (np.where(s_full > 1, s_full, 0) * grp_rows1[None, :]).sum(axis=1)
+    comb_bytes = (
+        np.where(sp, S * urows * (cm.head_dim + 1) * cm.partial_bytes + urows * cm.head_dim * cm.q_bytes, 0)
+        * ucnt
+    ).sum(axis=1)
+    comb = cm.combine_launch_us + comb_bytes / (cm.bytes_per_us * num_ctas)
+    lb = np.maximum(np.maximum(total / num_ctas, max_item), -(-count // num_ctas) * min_item) + comb
+    ok = sp.any(axis=1)
+    if max_partial_rows is not None:
+        ok &= part_rows <= int(max_partial_rows)
+    found = None
+    evals = [0, 0]
+    for ci in np.argsort(lb, kind="stable"):
+        if min(evals) >= _MAX_SPLIT_EVALS or lb[ci] >= min(target, best_total):
+            break
+        if not ok[ci] or evals[family[ci]] >= _MAX_SPLIT_EVALS:
+            continue
+        evals[family[ci]] += 1
+        s_c = np.maximum(np.minimum(-(-n_pages // caps[ci]), s_cap), 1)
+        tile, _, p0, p1 = _expand_splits(n_pages, s_c)
+        split_c = s_c[tile] > 1
+        cost_c = np.where(split_c, f_sp[tile], f_un[tile]) + (p1 - p0) * pu[tile]
+        cta_c, loads_c = _balance(cost_c, num_ctas)
+        tot_c = float(loads_c.max()) + float(comb[ci])
+        if tot_c < min(target, best_total):
+            best_total = tot_c
+            found = ((s_c, cta_c, cost_c), float(comb[ci]))
+    return found
 
-    # ---- materialize ----------------------------------------------------------------------
-    splits, cta, item_cost = best
-    cta = _refine(item_cost, cta, num_ctas)
-    if best[0] is not ones:
-        # the split was chosen on unrefined makespans: keep it only if it still beats the
-        # refined no-split schedule (so splitting never models worse than not)
-        cta0r = _refine(cost0, cta0, num_ctas)
-        split_total = float(np.bincount(cta, weights=item_cost, minlength=num_ctas).max())
-        if float(np.bincount(cta0r, weights=cost0, minlength=num_ctas).max()) <= (
-                split_total + best_comb):
-            splits, cta, item_cost = ones, cta0r, cost0
+
+def _materialize(t: _Tiles, splits, cta, item_cost, *, gp: int, tile_m: int, num_ctas: int,
+                 cm: CostModel, fresh_kv: bool, unpacked: bool) -> Plan:
+    """The work list (items of each CTA contiguous), split-KV workspace rows and combine
+    groups of the chosen schedule."""
+    n_pages, qhead, ntok, tok0 = t.n_pages, t.qhead, t.ntok, t.tok0
+    n_tiles = n_pages.shape[0]
     # Items are generated in (b, h, q tile, split) order; a stable sort by CTA keeps that
     # order inside each CTA (KV-head locality, deterministic).
     perm = np.argsort(cta.astype(np.uint16) if num_ctas <= 65536 else cta, kind="stable")
@@ -621,8 +638,8 @@ def plan(
         work[:, W.P1] = n_pages[tile]
         work[:, W.SPLIT] = 0
         work[:, W.NSPLIT] = 1
-    work[:, W.REQ] = req[tile]
-    work[:, W.HEAD] = head[tile]
+    work[:, W.REQ] = t.req[tile]
+    work[:, W.HEAD] = t.head[tile]
     work[:, W.QSTART] = tok0[tile]
     work[:, W.QLEN] = ntok[tile]
     work[:, W.QHEAD] = qhead[tile]
@@ -631,7 +648,7 @@ def plan(
     # unpacked tiles (led by its q head 0 tile, whose index is this tile's minus
     # q head * tiles per slot: tiles run (b, h, q head slot, q tile))
     g_idx = np.flatnonzero((splits > 1) & (qhead <= 0))
-    grp_rows = splits[g_idx] * grp_rows1[g_idx]
+    grp_rows = splits[g_idx] * ntok[g_idx] * gp
     grp_base = np.cumsum(grp_rows) - grp_rows
     partial_rows = int(grp_rows.sum())
     if partial_rows > np.iinfo(np.int32).max:
@@ -640,7 +657,7 @@ def plan(
         base_of_tile = np.full(n_tiles, -1, dtype=np.int64)
         base_of_tile[g_idx] = grp_base
         qh_t = np.maximum(qhead[tile], 0)
-        lead = tile - qh_t * ntr[tile]
+        lead = tile - qh_t * t.ntr[tile]
         # packed: the split's first row; unpacked: block base + q head (chunked rows)
         first = np.where(qhead[tile] >= 0, base_of_tile[lead] + qh_t,
                          base_of_tile[lead] + sidx * ntok[tile] * gp)
@@ -656,8 +673,8 @@ def plan(
     t_g = g_idx[gi]
     chunked = qhead[t_g] >= 0
     combine = np.empty((t_g.shape[0], COMBINE_COLS), dtype=np.int32)
-    combine[:, W.C_REQ] = req[t_g]
-    combine[:, W.C_HEAD] = head[t_g]
+    combine[:, W.C_REQ] = t.req[t_g]
+    combine[:, W.C_HEAD] = t.head[t_g]
     combine[:, W.C_TOK0] = tok0[t_g] + np.where(chunked, kk * c_tok, 0)
     combine[:, W.C_NTOK] = np.where(chunked, np.minimum(c_tok, ntok[t_g] - kk * c_tok),
                                     ntok[t_g])
@@ -668,7 +685,7 @@ def plan(
     np.cumsum(np.bincount(cta, minlength=num_ctas), out=offsets[1:])
     cta_cost = np.bincount(cta, weights=item_cost, minlength=num_ctas).astype(np.float64)
     g_all = np.flatnonzero(splits > 1)
-    comb_us = cm.combine_us(splits[g_all], rows[g_all], num_ctas)
+    comb_us = cm.combine_us(splits[g_all], t.rows[g_all], num_ctas)
     return Plan(
         work=work,
         cta_offsets=offsets,
@@ -680,7 +697,7 @@ def plan(
         combine=combine,
         modeled_us=float(cta_cost.max()) + comb_us,
         fresh_kv=bool(fresh_kv),
-        unpacked=bool(unpacked_prefill),
+        unpacked=bool(unpacked),
         tile_m=tile_m,
     )
 
@@ -729,11 +746,6 @@ def plan_reuse_key(query_start_loc, seq_lens, *, page_size: int = PAGE_SIZE,
     live = (q > 0) & (sl > 0)
     v = np.where(live, np.where(q > 1, sl, _one_token_units(sl, page_size, fresh_kv)), 0)
     return q.tobytes() + v.tobytes()
-
-
-# --------------------------------------------------------------------------------------
-# buffers
-# --------------------------------------------------------------------------------------
 
 
 def _as_writable_int32(buf, name: str) -> np.ndarray:

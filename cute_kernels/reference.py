@@ -22,15 +22,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-__all__ = [
-    "reference_paged_attention",
-    "reference_kv_append",
-    "relative_error",
-    "written_rows_mask",
-    "make_paged_case",
-    "new_token_slot_mapping",
-    "PagedCase",
-]
+__all__ = ["reference_paged_attention", "reference_kv_append", "relative_error",
+    "written_rows_mask", "make_paged_case", "new_token_slot_mapping", "PagedCase"]
 
 # Upper bound on the number of fp32 score elements materialised at once per
 # request chunk (keeps 2k x 32k x 32-head prefills in a few hundred MiB).

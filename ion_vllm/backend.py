@@ -513,10 +513,5 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         return output
 
 
-__all__ = [
-    "IonAttentionBackend",
-    "IonAttentionImpl",
-    "IonAttentionMetadata",
-    "IonAttentionMetadataBuilder",
-    "StepPolicy",
-]
+__all__ = ["IonAttentionBackend", "IonAttentionImpl", "IonAttentionMetadata",
+    "IonAttentionMetadataBuilder", "StepPolicy"]
