@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "startup", allow_abbrev=False,
-        help="vllm serve time-to-ready per backend, CuTeDSL cache cold and warm",
+        help="vllm serve time-to-ready per backend, kernel caches cold and warm",
         description="Time from `vllm serve MODEL` start until GET /health is 200, per backend: "
                     "a first start fills vLLM's caches, then --repeats times a start with the "
                     "CuTeDSL cache emptied (cute-cold) and one with the cache it filled (warm). "
