@@ -430,8 +430,7 @@ STEP_COLS = (("config", "config", 0), ("wall s", "wall_s", 1), ("engine steps", 
 
 def step_table(results: list[dict]) -> list[str]:
     """Where the wall time went (``engine_step_stats``, means over repeats); empty when no
-    result has engine-step counts (results of runs before 2026-12-02's thirteenth
-    session)."""
+    result has engine-step counts (results of older versions of this script)."""
     rows = [r for r in results if r.get("engine_steps") is not None]
     if not rows:
         return []
@@ -593,7 +592,7 @@ def main() -> int:
     ap.add_argument("--order", choices=("rotate", "fixed"), default="rotate",
                     help="--colocate: the configs' order in each round; rotate (round r "
                          "starts at config r mod n: no config always runs first) or fixed "
-                         "(the --configs order every round, as before 2026-12-06)")
+                         "(the --configs order every round)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:

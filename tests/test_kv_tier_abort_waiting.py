@@ -1,7 +1,7 @@
 """A request aborted while it waits after a lookup: vLLM 0.26's OffloadingConnector
 (scheduler side) fails ``assert len(offload_keys) == len(offload_block_ids)`` in
-``_build_store_jobs`` and EngineCore dies (seen on the H100 on 2026-12-06 when the KV tier
-benchmark's time limit shut an engine down with preempted requests waiting).  Two ways in:
+``_build_store_jobs`` and EngineCore dies (a benchmark's time limit that shuts an engine down with
+preempted requests waiting gets there).  Two ways in:
 a new request that waits for room after its lookup (any store policy), and a preempted one
 whose final sampled token completes a block (policies that store past the prompt).  The
 Ion spec installs a guard (``ion_vllm/kv_tier/vllm_guards.py``); these tests drive vLLM's

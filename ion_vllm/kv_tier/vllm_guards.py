@@ -12,7 +12,7 @@ len(offload_keys) == len(offload_block_ids)``: EngineCore dies.  Two ways in:
 * a preempted request tried for readmission, whose final sampled token completes a block
   (policies that store past the prompt: Ion's default, vLLM's
   ``offload_prompt_only: false``).
-The second was hit on the H100 on 2026-12-06 when the KV tier benchmark's time limit shut
+The second is hit when a benchmark's time limit shuts
 an engine down with preempted requests waiting; ``tests/test_kv_tier_abort_waiting.py``
 reproduces both through vLLM's Scheduler on the CPU.
 
