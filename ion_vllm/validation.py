@@ -59,7 +59,6 @@ def _attn_type_name(attn_type: Any) -> str:
     return str(getattr(attn_type, "value", attn_type))
 
 
-# --------------------------------------------------------------------------- single rules
 def head_size_reason(head_size: int) -> str | None:
     if head_size in SUPPORTED_HEAD_SIZES:
         return None
@@ -127,7 +126,6 @@ def gqa_reason(num_heads: int, num_kv_heads: int) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- rule sets
 def backend_config_reasons(
     head_size: int,
     dtype: Any,

@@ -360,12 +360,25 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (Linux; False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return bool(next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigIgn:"))
+                        >> (sig - 1) & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+
+
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop the process group led by ``proc`` (started with its own session): SIGINT, then
     SIGTERM, then SIGKILL, until no process of the group runs (vLLM's engine core holds the
-    GPU until it exits, and the next server may be about to start)."""
+    GPU until it exits, and the next server may be about to start).  A leader that ignores
+    SIGINT (as a background job's children do) gets SIGTERM at once."""
     for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, max(1.0, grace / 2)),
                       (signal.SIGKILL, 5.0)):
+        if sig == signal.SIGINT and _ignores(proc.pid, sig):
+            continue
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
