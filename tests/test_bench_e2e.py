@@ -313,21 +313,26 @@ def test_kill_group_escalates_until_the_whole_group_is_gone():
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "1\n"  # the child runs and has set its handlers
     e2e.kill_group(proc, grace=0.2)
-    assert proc.poll() is not None and not e2e._group_alive(proc.pid)
+    assert proc.poll() is not None and not e2e._group_pids(proc.pid)
 
 
-def test_kill_group_skips_the_sigint_grace_when_the_server_ignores_sigint():
-    """A server started from a background job inherits SIGINT ignored: it gets SIGTERM at
-    once, not after the SIGINT grace."""
+def test_kill_group_skips_the_sigint_grace_when_the_group_ignores_sigint():
+    """Servers started from a background job inherit SIGINT ignored, and so does the
+    engine core a dead server leaves behind: the group gets SIGTERM at once, not after the
+    SIGINT grace."""
     import subprocess
     import sys
     import time
-    code = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "print(1, flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "1\n"
-    assert e2e._ignores(proc.pid, signal.SIGINT) and not e2e._ignores(proc.pid, signal.SIGTERM)
-    t0 = time.monotonic()
-    e2e.kill_group(proc, grace=30.0)
-    assert time.monotonic() - t0 < 10.0 and proc.poll() == -signal.SIGTERM
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+            "subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); "
+            "time.sleep(60)']); time.sleep({})")
+    for leader_s in (60, 0):  # a live server, and one that died leaving its child
+        proc = subprocess.Popen([sys.executable, "-c", code.format(leader_s)],
+                                start_new_session=True, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "1\n"  # the child runs
+        pids = e2e._group_pids(proc.pid)
+        assert pids and all(e2e._ignores(p, signal.SIGINT) for p in pids)
+        assert not e2e._ignores(pids[0], signal.SIGTERM)
+        t0 = time.monotonic()
+        e2e.kill_group(proc, grace=30.0)
+        assert time.monotonic() - t0 < 10.0 and not e2e._group_pids(proc.pid)

@@ -340,15 +340,10 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
     return rc, log_path.read_text(errors="replace")
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies, which hold no GPU memory and
-    wait for a parent or init to reap them, do not count)."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (Linux /proc; zombies, which hold no
+    GPU memory and wait for a parent or init to reap them, do not count)."""
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -356,8 +351,8 @@ def _group_alive(pgid: int) -> bool:
         except (OSError, ValueError):
             continue
         if int(pgrp) == pgid and state != "Z":
-            return True
-    return False
+            pids.append(int(pid))
+    return pids
 
 
 def _ignores(pid: int, sig: int) -> bool:
@@ -373,11 +368,12 @@ def _ignores(pid: int, sig: int) -> bool:
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Stop the process group led by ``proc`` (started with its own session): SIGINT, then
     SIGTERM, then SIGKILL, until no process of the group runs (vLLM's engine core holds the
-    GPU until it exits, and the next server may be about to start).  A leader that ignores
-    SIGINT (as a background job's children do) gets SIGTERM at once."""
+    GPU until it exits, and the next server may be about to start).  A group whose every
+    process ignores SIGINT (as a background job's children do) gets SIGTERM at once."""
     for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, max(1.0, grace / 2)),
                       (signal.SIGKILL, 5.0)):
-        if sig == signal.SIGINT and _ignores(proc.pid, sig):
+        pids = _group_pids(proc.pid)
+        if sig == signal.SIGINT and pids and all(_ignores(p, sig) for p in pids):
             continue
         try:
             os.killpg(proc.pid, sig)
@@ -386,7 +382,7 @@ def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             proc.poll()  # reap the leader
-            if not _group_alive(proc.pid):
+            if not _group_pids(proc.pid):
                 return
             time.sleep(0.05)
     proc.poll()
