@@ -54,8 +54,8 @@ DEFAULT_RING_MIB = 256.0
 #: DEFAULT_WINDOW_HOST_FRACTION x the worker's host pool).  A store completes one to two
 #: engine steps after it was prepared, so the window must hold a few steps of new blocks:
 #: one 16k-token prefill chunk fills 256 blocks (0.9 GiB of a Qwen2.5-7B KV), and at 4 x a
-#: 256 MiB ring the H200 reuse benchmark dropped 47% of its blocks (docs/experiments.md).  4 GiB is
-#: ~80 ms of the 51 GB/s drain measured there.  Host memory only: HBM use stays the ring.
+#: 256 MiB ring the H200 reuse benchmark dropped 47% of its blocks (docs/experiments.md).
+#: 4 GiB is ~80 ms of its 51 GB/s drain.  Host memory only: HBM use stays the ring.
 DEFAULT_WINDOW_RINGS = 4
 DEFAULT_WINDOW_GIB = 4.0
 DEFAULT_WINDOW_HOST_FRACTION = 0.25
