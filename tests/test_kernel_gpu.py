@@ -74,15 +74,24 @@ def _case_id(c):
     return f"{str(dt)[6:]}-d{d}-{hq}x{hkv}-m{tm}" + ("-fused" if fused else "")
 
 
-def _run(dtype, d, hq, hkv, tile_m, fused, shape, seed, batch_invariant=False):
-    """Inputs of one case, the kernel's output and cache, and the fp32 reference."""
+def _run(dtype, d, hq, hkv, tile_m, fused, shape, seed, batch_invariant=False,
+         spare_pages=None):
+    """Inputs of one case, the kernel's output and cache, and the fp32 reference.
+    ``spare_pages``: that many pages beside the used ones, and the used ones moved to the
+    top block ids of the cache."""
     from cute_kernels import ion_attention, make_device_plan
 
     rng = torch.Generator().manual_seed(seed)
     q_lens, seq_lens, pad, cost = _shape(shape, rng)
     case = make_paged_case(seed, q_lens, seq_lens, hq, hkv, d, dtype=dtype, device="cuda",
-                           pad_rows=pad)
+                           pad_rows=pad, spare_pages=spare_pages,
+                           rng_device="cpu" if spare_pages is None else "cuda")
     q, k_cache, v_cache, qsl, sl, bt = case
+    if spare_pages is not None:
+        n = [-(-L // 64) for L in seq_lens]
+        top = k_cache.shape[0] - 1 - torch.randperm(sum(n), generator=rng)
+        for b, first in enumerate(itertools.accumulate([0] + n[:-1])):
+            bt[b, :n[b]] = top[first:first + n[b]].to(bt.dtype).cuda()
     total = q.shape[0]
     key = torch.randn(total, hkv, d, generator=rng).to(dtype).cuda()
     value = torch.randn(total, hkv, d, generator=rng).to(dtype).cuda()
@@ -142,6 +151,43 @@ def test_kernel_matches_reference(config, shape, seed):
     plan = _check_case(*result, what)
     if shape == "split":
         assert plan.host.num_splits_max > 1, f"{what}: the split case did not split"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cache_past_int32_offsets(fused, seed):
+    """K and V caches of 2^31 elements (4 GiB each), every page a request uses among the
+    top block ids: element and byte offsets past 2^31 reach the right pages, in the loads
+    and in the fused writeback (its straddling rows too)."""
+    hq, hkv, d = 28, 4, 128
+    per_block = hkv * 64 * d
+    spare = (1 << 31) // per_block  # used pages come on top: past 2^31 elements
+    for shape in ("chunks", "split"):
+        result = _run(torch.bfloat16, d, hq, hkv, 128, fused, shape, seed, spare_pages=spare)
+        case = result[0]
+        assert case.k_cache.numel() > 1 << 31
+        assert int(case.block_table.max()) * per_block >= 1 << 31
+        _check_case(*result, f"int32 offsets fused={fused} {shape} seed={seed}")
+        del result, case
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_kv_repeats_bit_identically(tile_m, fused, seed):
+    """The same split-KV batch run 10 times gives bit-identical outputs and caches (the
+    combine adds the splits in a fixed order; nothing depends on CTA timing)."""
+    first = None
+    for run in range(10):
+        _, out, caches, _, plan, _ = _run(torch.bfloat16, 128, 28, 4, tile_m, fused, "split",
+                                          seed)
+        assert plan.host.num_splits_max > 1, "split-KV not exercised"
+        bits = [t.view(torch.int16) for t in (out, *caches)]
+        if first is None:
+            first = bits
+            continue
+        for name, a, b in zip(("output", "K cache", "V cache"), bits, first):
+            assert torch.equal(a, b), \
+                f"run {run}: {name} differs from run 0 (m{tile_m} fused={fused} seed={seed})"
 
 
 def test_token_output_is_batch_invariant(seed):
