@@ -23,6 +23,12 @@
 #            KVTIER_REPEATS 3, KVTIER_S 720, KVTIER_ARGS); cut short, its finished repeats
 #            are rebuilt into results (--from-repeats)
 #   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
+#   sanitize compute-sanitizer, one run per tool (SANITIZE_TOOLS: memcheck racecheck
+#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 96:
+#            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
+#            combine every 4th case) and over the kv_append and KV-tier GPU tests (the
+#            gather/drain kernels); torch's caching allocator off, so memcheck sees each
+#            tensor's own bounds.  Logs: OUT/sanitize/<tool>-{sweep,tests}.log
 # Models: MODEL (served; default bench/demo-model, made when missing), TINY_MODEL (default
 # bench/models/tiny-qwen2, made when missing).
 # A failed step does not stop the chain.  SESSION_DEADLINE_S: the chain's wall budget; each
@@ -88,7 +94,7 @@ fi
 
 need_vllm=0 need_cute=0
 for s in e2e startup agree kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
-for s in kval kbench e2e startup agree kvtier; do want "$s" && need_cute=1; done
+for s in kval kbench e2e startup agree kvtier sanitize; do want "$s" && need_cute=1; done
 missing=
 if [ "$dry" != 1 ]; then
   [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -174,5 +180,19 @@ if want preempt; then
   step preempt 300 python3 scripts/kv_tier_preempt_check.py "$tiny" --enforce-eager \
     --attention-backend TRITON_ATTN --dtype float32 --no-batch-invariant --parallel --verify \
     --out "$out/preempt/preempt_check_fp32_triton.json"
+fi
+if want sanitize; then
+  mkdir -p "$out/sanitize"
+  seed=$(python3 -c 'import time; print(time.time_ns() % 2**31)')
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    san=(compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
+      "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
+      --cases "${SANITIZE_CASES:-96}" --seed "$seed" --max-kv-tokens 4096 --quiet \
+      --out "$out/sanitize/$tool-sweep"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
+      "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \
+      -p no:cacheprovider tests/test_kv_append.py tests/test_kv_tier_gpu.py
+  done
 fi
 mark all done

@@ -32,7 +32,8 @@ def _cmd(steps: str, name: str) -> str:
 
 
 def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
-    rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt",
+    rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt "
+                     "sanitize", SANITIZE_TOOLS="memcheck racecheck", SANITIZE_CASES="5",
                      KBENCH_SUITES="anchors engine-d64", KBENCH_REGISTER="tag.py",
                      E2E_BACKENDS="ION,ION@/x/tag,FLASH_ATTN", E2E_WORKLOADS="seed",
                      STARTUP_REPEATS="2", STARTUP_COLD="all",
@@ -43,7 +44,15 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
     # test shards and sweep shards side by side, then one step each
     assert sorted(names[:4]) == ["kval-tests-00", "kval-tests-01", "sweep-0", "sweep-1"]
-    assert names[4:] == ["kbench", "startup", "e2e", "agree", "kvgpu", "kvtier", "preempt"]
+    assert names[4:] == ["kbench", "startup", "e2e", "agree", "kvgpu", "kvtier", "preempt",
+                         "san-memcheck-sweep", "san-memcheck-tests", "san-racecheck-sweep",
+                         "san-racecheck-tests"]
+    for tool in ("memcheck", "racecheck"):
+        sweep, tests = _cmd(steps, f"san-{tool}-sweep"), _cmd(steps, f"san-{tool}-tests")
+        assert sweep.startswith(f"compute-sanitizer --tool {tool} --error-exitcode 99")
+        assert "gpu_sweep.py --cases 5 --seed" in sweep and "--max-kv-tokens 4096" in sweep
+        assert f"{tmp_path / 'out' / 'sanitize' / tool}-tests.log" in tests
+        assert tests.endswith("tests/test_kv_append.py tests/test_kv_tier_gpu.py")
     shards = _cmd(steps, "kval-tests-00") + " " + _cmd(steps, "kval-tests-01")
     assert "tests/test_kv_append.py::test_kv_append_matches_reference" in shards
     sweeps = [_cmd(steps, f"sweep-{i}") for i in (0, 1)]
