@@ -97,6 +97,63 @@ def test_tiny_weights_are_seeded_and_named_as_transformers_expects(tiny_dir):
         {k: tuple(v.shape) for k, v in w.items()}
 
 
+#: --arch: (model_type, head size, window, layer kinds, soft cap, attention sinks)
+ARCH_EXPECT = {
+    "gpt-oss": ("gpt_oss", 64, 128, {"sliding_attention", "full_attention"}, None, True),
+    "gemma2": ("gemma2", 256, 4096, {"sliding_attention", "full_attention"}, 50.0, False),
+    "gemma3": ("gemma3_text", 256, 1024, {"sliding_attention", "full_attention"}, None, False),
+    "mistral": ("mistral", 128, 4096, None, None, False),
+}
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory, demo_dir):
+    """Every --arch model at hidden size 64, tokenizer copied from the demo model."""
+    import shutil
+    mp = pytest.MonkeyPatch()
+
+    def copy_tokenizer(out_dir, seed=0, model_max_length=32768):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo_dir / name, os.path.join(out_dir, name))
+    mp.setattr(tiny_mod, "write_tokenizer", copy_tokenizer)
+    dirs = {}
+    try:
+        for arch in tiny_mod.ARCHS:
+            dirs[arch] = tmp_path_factory.mktemp(arch) / arch
+            assert tiny_mod.main([str(dirs[arch]), "--arch", arch, "--hidden", "64",
+                                  "--seed", "5"]) == 0
+    finally:
+        mp.undo()
+    return dirs
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_EXPECT))
+def test_arch_models_carry_their_attention_features(arch, arch_dirs, cpu_platform):
+    """Each --arch model is what vLLM will serve: its architecture, head size, window on
+    the sliding layers (both kinds of layer where the family mixes them), soft cap and
+    sinks, with seeded bf16 weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from vllm.config import ModelConfig
+    d = arch_dirs[arch]
+    model_type, head, window, kinds, cap, sinks = ARCH_EXPECT[arch]
+    cfg = AutoConfig.from_pretrained(str(d))
+    assert (cfg.model_type, cfg.head_dim, cfg.sliding_window, cfg.vocab_size) == \
+        (model_type, head, window, VOCAB)
+    assert (set(cfg.layer_types) if getattr(cfg, "layer_types", None) else None) == kinds
+    assert getattr(cfg, "attn_logit_softcapping", None) == cap
+    w = load_file(str(d / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in w.values())
+    assert ("model.layers.0.self_attn.sinks" in w) == sinks
+    m = ModelConfig(model=str(d), tokenizer=str(d), dtype="bfloat16", max_model_len=8192)
+    assert m.get_head_size() == head and m.architectures == cfg.architectures
+    torch.manual_seed(0)  # the weights depend on --seed only
+    tiny_mod.write_arch_model(arch, str(d.parent / "again"), 5, hidden=64)
+    w2 = load_file(str(d.parent / "again" / "model.safetensors"))
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+
+
 def test_tiny_config_shapes():
     cfg = tiny_mod.tiny_config(4, 2048, 16, 2, 5632, 32768)
     assert cfg["head_dim"] == 128 and cfg["num_attention_heads"] // cfg["num_key_value_heads"] == 8
