@@ -405,7 +405,10 @@ class _Tiles:
     pu: np.ndarray  # modeled us per page
     f_un: np.ndarray  # modeled fixed us, unsplit
     f_sp: np.ndarray  # modeled fixed us, split
-
+    #: partial workspace rows a tile's split group takes per split: ntok * Gp (packed rows
+    #: are t * Gp + g); the G unpacked tiles of one token range share one group, counted
+    #: by its q head 0 tile
+    group_rows: np.ndarray
 
 
 def plan(
@@ -479,7 +482,7 @@ def plan(
     cta0, loads0 = _balance(cost0, num_ctas)
     best, best_comb = (ones, cta0, cost0), 0.0
     if allow_split and max_splits > 1:
-        found = _search_splits(t, cost0, float(loads0.max()), gp=gp, tile_m=tile_m,
+        found = _search_splits(t, cost0, float(loads0.max()), tile_m=tile_m,
                                num_ctas=num_ctas, max_splits=max_splits, cm=cm,
                                max_partial_rows=max_partial_rows)
         if found is not None:
@@ -532,20 +535,20 @@ def _tiles(q_len, sl, live, unp, *, num_kv_heads: int, group_size: int, page_siz
     rows_tab = np.arange(tile_m + 1, dtype=np.int64)
     return _Tiles(req=req, head=head, qhead=qhead, tok0=tok0, ntok=ntok, ntr=ntr,
                   n_pages=n_pages, rows=rows, unp=tile_unp,
+                  group_rows=np.where(qhead <= 0, ntok * gp, 0),
                   pu=cm.page_us(rows_tab, page_size)[rows],
                   f_un=cm.fixed_us(rows_tab, False)[rows],
                   f_sp=cm.fixed_us(rows_tab, True)[rows])
 
 
-def _search_splits(t: _Tiles, cost0, best_total: float, *, gp: int, tile_m: int,
-                   num_ctas: int, max_splits: int, cm: CostModel, max_partial_rows):
+def _search_splits(t: _Tiles, cost0, best_total: float, *, tile_m: int, num_ctas: int,
+                   max_splits: int, cm: CostModel, max_partial_rows):
     """The split-KV configuration that beats the no-split makespan ``best_total`` by
     ``cm.split_min_gain`` with the lowest modeled makespan: ((splits, cta, item_cost),
     combine us), or None.  Any split config costs >= mean + combine launch (splitting only
     adds work): the search is pruned when that cannot win."""
     n_pages, pu, f_un, f_sp, rows = t.n_pages, t.pu, t.f_un, t.f_sp, t.rows
     s_cap = np.minimum(max_splits, n_pages)
-    grp_rows1 = np.where(t.qhead <= 0, t.ntok * gp, 0)
     target = best_total * (1.0 - cm.split_min_gain)
     mean0 = float(cost0.sum()) / num_ctas
     if int(s_cap.max()) <= 1 or mean0 + cm.combine_launch_us >= target:
@@ -583,7 +586,7 @@ def _search_splits(t: _Tiles, cost0, best_total: float, *, gp: int, tile_m: int,
     count = (S * ucnt).sum(axis=1)
     # exact workspace rows of each cap (the unique tiles above merge q heads)
     s_full = np.maximum(np.minimum(-(-n_pages[None, :] // caps[:, None]), s_cap[None, :]), 1)
-    part_rows = (np.where(s_full > 1, s_full, 0) * grp_rows1[None, :]).sum(axis=1)
+    part_rows = (np.where(s_full > 1, s_full, 0) * t.group_rows[None, :]).sum(axis=1)
     comb_bytes = (
         np.where(sp, S * urows * (cm.head_dim + 1) * cm.partial_bytes + urows * cm.head_dim * cm.q_bytes, 0)
         * ucnt
@@ -648,7 +651,7 @@ def _materialize(t: _Tiles, splits, cta, item_cost, *, gp: int, tile_m: int, num
     # unpacked tiles (led by its q head 0 tile, whose index is this tile's minus
     # q head * tiles per slot: tiles run (b, h, q head slot, q tile))
     g_idx = np.flatnonzero((splits > 1) & (qhead <= 0))
-    grp_rows = splits[g_idx] * ntok[g_idx] * gp
+    grp_rows = splits[g_idx] * t.group_rows[g_idx]
     grp_base = np.cumsum(grp_rows) - grp_rows
     partial_rows = int(grp_rows.sum())
     if partial_rows > np.iinfo(np.int32).max:
