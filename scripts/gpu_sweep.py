@@ -216,7 +216,7 @@ def make_cases(n: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
 
 
 def judge(max_err: float, pt_err: float, nan_in_written: bool, poison_ok: bool,
-          cache_ok: bool, rel_err: float = 0.0) -> bool:
+          cache_ok: bool, rel_err: float) -> bool:
     """The pass bar of one case: the kernel's largest error against the fp32 reference is at
     most twice PyTorch's in the input dtype, plus ATOL, and its relative L2 error at most
     REL_TOL (NaN never passes)."""

@@ -91,13 +91,13 @@ def test_bounds_options():
 def test_judge():
     """max error <= 2 x PyTorch's + atol, relative L2 <= 1e-2, no NaN in written rows,
     poison and cache kept."""
-    assert sw.judge(0.01, 0.006, False, True, True)
-    assert sw.judge(0.0, 0.0, False, True, True)
-    assert not sw.judge(0.013, 0.006, False, True, True)
-    assert not sw.judge(float("nan"), 0.006, False, True, True)
-    assert not sw.judge(1e-3, 0.006, True, True, True)
-    assert not sw.judge(1e-3, 0.006, False, False, True)
-    assert not sw.judge(1e-3, 0.006, False, True, False)
+    assert sw.judge(0.01, 0.006, False, True, True, 0.0)
+    assert sw.judge(0.0, 0.0, False, True, True, 0.0)
+    assert not sw.judge(0.013, 0.006, False, True, True, 0.0)
+    assert not sw.judge(float("nan"), 0.006, False, True, True, 0.0)
+    assert not sw.judge(1e-3, 0.006, True, True, True, 0.0)
+    assert not sw.judge(1e-3, 0.006, False, False, True, 0.0)
+    assert not sw.judge(1e-3, 0.006, False, True, False, 0.0)
     assert sw.judge(1e-3, 0.006, False, True, True, 0.009)
     assert not sw.judge(1e-3, 0.006, False, True, True, 0.011)  # spread thin, yet too far
     assert not sw.judge(1e-3, 0.006, False, True, True, float("nan"))
