@@ -163,11 +163,18 @@ def main(argv=None) -> int:
                     help="--arch: the window of the sliding layers (default: the family's)")
     ap.add_argument("--layers", type=int, default=None, help="default 4 (gemma3 6)")
     ap.add_argument("--hidden", type=int, default=None, help="default 2048 (--arch: its own)")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--heads", type=int, default=None, help="default 16 (not with --arch)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default 2 (not with --arch)")
+    ap.add_argument("--intermediate", type=int, default=None,
+                    help="default 5632 (not with --arch)")
     ap.add_argument("--max-position-embeddings", type=int, default=32768)
     args = ap.parse_args(argv)
+    given = [f for f in ("heads", "kv_heads", "intermediate") if getattr(args, f) is not None]
+    if args.arch != "qwen2" and given:
+        ap.error(f"--arch {args.arch} has its family's shape; drop --"
+                 + ", --".join(f.replace("_", "-") for f in given))
+    if args.arch == "qwen2" and args.sliding_window is not None:
+        ap.error("--sliding-window needs --arch")
 
     import torch
     from safetensors.torch import save_file
@@ -181,10 +188,11 @@ def main(argv=None) -> int:
         write_tokenizer(args.out_dir, 0, args.max_position_embeddings)
         print(f"wrote tiny {args.arch} ({n / 1e6:.1f}M params, seed {args.seed}) to {args.out_dir}")
         return 0
-    if args.sliding_window is not None:
-        ap.error("--sliding-window needs --arch")
-    cfg = tiny_config(args.layers or 4, args.hidden or 2048, args.heads, args.kv_heads,
-                      args.intermediate, args.max_position_embeddings)
+    def arg(value, default):
+        return default if value is None else value
+    cfg = tiny_config(arg(args.layers, 4), arg(args.hidden, 2048), arg(args.heads, 16),
+                      arg(args.kv_heads, 2), arg(args.intermediate, 5632),
+                      args.max_position_embeddings)
     tensors = make_weights(cfg, args.seed)
     n_params = sum(t.numel() for t in tensors.values())
     save_file(tensors, os.path.join(args.out_dir, "model.safetensors"),

@@ -30,23 +30,23 @@ def demo_dir(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, demo_dir):
-    """The tiny model, its tokenizer copied from the demo model (the same builder writes
-    both; building it twice would only cost time)."""
+def make_tiny(demo_dir, out, *args):
+    """``make_tiny_model.py OUT ARGS``, the tokenizer copied from the demo model (the same
+    builder writes both; building it again would only cost time)."""
     import shutil
-    out = tmp_path_factory.mktemp("tiny") / "tiny"
-    mp = pytest.MonkeyPatch()
 
     def copy_tokenizer(out_dir, seed=0, model_max_length=32768):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(demo_dir / name, os.path.join(out_dir, name))
-    mp.setattr(tiny_mod, "write_tokenizer", copy_tokenizer)
-    try:
-        assert tiny_mod.main([str(out), *TINY_ARGS]) == 0
-    finally:
-        mp.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_mod, "write_tokenizer", copy_tokenizer)
+        assert tiny_mod.main([str(out), *args]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, demo_dir):
+    return make_tiny(demo_dir, tmp_path_factory.mktemp("tiny") / "tiny", *TINY_ARGS)
 
 
 def test_demo_files_config_and_tokenizer(demo_dir):
@@ -108,23 +108,18 @@ ARCH_EXPECT = {
 
 @pytest.fixture(scope="module")
 def arch_dirs(tmp_path_factory, demo_dir):
-    """Every --arch model at hidden size 64, tokenizer copied from the demo model."""
-    import shutil
-    mp = pytest.MonkeyPatch()
+    """Every --arch model at hidden size 64."""
+    return {arch: make_tiny(demo_dir, tmp_path_factory.mktemp(arch) / arch, "--arch", arch,
+                            "--hidden", "64", "--seed", "5")
+            for arch in tiny_mod.ARCHS}
 
-    def copy_tokenizer(out_dir, seed=0, model_max_length=32768):
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo_dir / name, os.path.join(out_dir, name))
-    mp.setattr(tiny_mod, "write_tokenizer", copy_tokenizer)
-    dirs = {}
-    try:
-        for arch in tiny_mod.ARCHS:
-            dirs[arch] = tmp_path_factory.mktemp(arch) / arch
-            assert tiny_mod.main([str(dirs[arch]), "--arch", arch, "--hidden", "64",
-                                  "--seed", "5"]) == 0
-    finally:
-        mp.undo()
-    return dirs
+
+def test_arch_refuses_the_qwen2_shape_flags(tmp_path):
+    with pytest.raises(SystemExit):
+        tiny_mod.main([str(tmp_path / "m"), "--arch", "gemma2", "--heads", "8"])
+    with pytest.raises(SystemExit):
+        tiny_mod.main([str(tmp_path / "m"), "--sliding-window", "256"])
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_EXPECT))
