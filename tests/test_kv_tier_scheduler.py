@@ -26,6 +26,7 @@ ring are covered by tests/test_kv_tier_props.py and test_kv_tier_gpu.py.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -34,6 +35,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from kv_tier_harness import fresh_seed  # noqa: E402,F401  (fixture)
 from test_registration import TINY_QWEN2  # noqa: E402
 
 BS = 16  # tokens per KV block
@@ -55,14 +57,18 @@ def vllm_cpu(tmp_path_factory, cpu_platform_module):
 class FakeWorker:
     """Model runner + worker-side connector stand-in (see module docstring)."""
 
-    def __init__(self, store_lag: int):
+    def __init__(self, store_lag: int, load_lag: int = 1, fail_load=None):
         self.store_lag = store_lag
+        self.load_lag = load_lag  # a load completes load_lag executed steps after its start
+        self.fail_load = fail_load  # job -> GPU block ids whose restore fails (or None)
         self.gpu: dict[int, list] = {}
         self.host: dict[int, list] = {}
         self.pending: dict[int, int] = {}  # store job id -> step it completes
+        self.pending_loads: dict[int, int] = {}  # load job id -> step it completes
         self.store_jobs: dict[int, object] = {}  # every store job ever issued
         self.load_jobs: dict[int, object] = {}
         self.flushed: set[int] = set()
+        self.failed_blocks = 0  # GPU blocks reported invalid
 
     def _copy(self, src: dict, src_ids, dst: dict, dst_ids) -> None:
         assert len(src_ids) == len(dst_ids)
@@ -72,11 +78,18 @@ class FakeWorker:
 
 
 class Engine:
-    """vLLM's Scheduler with the OffloadingConnector(IonKVTier) + FakeWorker."""
+    """vLLM's Scheduler with the OffloadingConnector(IonKVTier) + FakeWorker.
+
+    ``async_scheduling``: vLLM's AsyncScheduler driven as EngineCore's batch queue drives
+    it (two batches in flight: step n+1 is scheduled before step n's output is
+    processed, and the worker runs step n after that).  ``load_lag``: loads complete that
+    many executed steps after they start (an abort or a preemption can land meanwhile).
+    ``fail_load(job)``: the GPU block ids of a load whose restore fails; the worker fills
+    them with garbage and reports them as ``invalid_block_ids``."""
 
     def __init__(self, model_dir, *, gpu_blocks, host_blocks, prefix_caching=False,
                  store_lag=1, max_num_seqs=4, max_batched=256, extra=None,
-                 async_scheduling=False):
+                 async_scheduling=False, load_lag=1, fail_load=None):
         import torch
         from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
                                  SchedulerConfig, VllmConfig)
@@ -102,7 +115,8 @@ class Engine:
                                              max_model_len=1024, is_encoder_decoder=False),
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
                                                 kv_role="kv_both",
-                                                kv_connector_extra_config=extra_cfg),
+                                                kv_connector_extra_config=extra_cfg,
+                                                kv_load_failure_policy="recompute"),
         )
         vc.cache_config.num_gpu_blocks = gpu_blocks
         # vLLM turns async scheduling on by default on CUDA; the CPU config here leaves it
@@ -114,15 +128,20 @@ class Engine:
                                             shared_by=[name]) for name in LAYERS],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         )
+        if async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
         self.sched = Scheduler(vllm_config=vc, kv_cache_config=kvc,
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=BS)
+        self.depth = 2 if async_scheduling else 1  # batches in flight
+        self.queue: collections.deque = collections.deque()
+        self.executed = 0
         self.conn = self.sched.connector
         self.cs = self.conn.connector_scheduler
         self.mgr = self.cs.manager
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
-        self.worker = FakeWorker(store_lag)
+        self.worker = FakeWorker(store_lag, load_lag, fail_load)
         self.step_no = 0
         self.reqs = {}
         self.block_tables: dict[str, list[int]] = {}
@@ -162,11 +181,9 @@ class Engine:
 
     # ------------------------------------------------------------ one engine step
     def step(self):
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-            OffloadingWorkerMetadata)
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-        w = self.worker
+        """Schedule one batch; run and process the oldest in-flight batch once
+        ``depth`` are in flight (or nothing else can be scheduled).  Returns the
+        scheduled (SchedulerOutput, metadata)."""
         self.step_no += 1
         out = self.sched.schedule()
         meta = out.kv_connector_metadata
@@ -177,36 +194,61 @@ class Engine:
             req = self.reqs[st.req_id]
             idx = {self.key(req, i): i for i in range(len(req.block_hashes))}
             self.job_index[jid] = sorted(idx[k] for k in st.keys)
+        # what the model runner gets with the batch: positions and block tables as of now
+        rows = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            bids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+            self.block_tables[rid] = bids
+            rows[rid] = (req, end - n, end, bids)
+        self.queue.append((out, meta, rows))
+        if len(self.queue) >= self.depth or not self.sched.has_requests():
+            self.drain_one()
+        return out, meta
+
+    def drain_one(self):
+        """Run the oldest in-flight batch on the FakeWorker and hand vLLM its output."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata)
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out, meta, rows = self.queue.popleft()
+        w = self.worker
+        self.executed += 1
+        now = self.executed
         completed: dict[int, int] = {}
         recving: set[str] = set()
+        invalid: set[int] = set()
         for jid, job in meta.store_jobs.items():
             # A store covers KV written up to and including this step's forward; it
             # completes store_lag steps later (after that step's forward) or when
             # vLLM flushes it, whichever comes first.
             w.store_jobs[jid] = job
-            w.pending[jid] = self.step_no + w.store_lag - 1
-        # handle_preemptions: a flushed store is done (its source read) before the
-        # forward. Other stores read their source blocks lazily, as late as their
-        # completion: vLLM must keep those blocks intact until then.
+            w.pending[jid] = now + w.store_lag - 1
+        # handle_preemptions: a flushed job is done before the forward (stores: their
+        # source read; loads: in place).  Other stores read their source blocks lazily,
+        # as late as their completion: vLLM must keep those blocks intact until then.
         for jid in sorted(meta.jobs_to_flush or ()):
             if jid in w.pending:
                 self._finish_store(jid)
                 w.flushed.add(jid)
                 completed[jid] = 1
-        # start_kv_transfers: loads land before the forward reads the blocks.
+            elif jid in w.pending_loads:
+                self._finish_load(jid, recving, invalid)
+                completed[jid] = 1
+        # start_kv_transfers: a load copies host -> GPU as late as its completion, so a
+        # host block vLLM reuses while it is loading shows up as a wrong token.
         for jid, job in meta.load_jobs.items():
             w.load_jobs[jid] = job
-            w._copy(w.host, job.src_spec.block_ids, w.gpu, job.dst_spec.block_ids)
-            completed[jid] = 1
-            recving.add(job.req_id)
+            w.pending_loads[jid] = now + w.load_lag - 1
+        for jid, due in sorted(w.pending_loads.items()):
+            if due <= now:
+                self._finish_load(jid, recving, invalid)
+                completed[jid] = 1
         # forward: check the KV the request attends to, write the new positions.
         sampled = {}
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.sched.requests[rid]
-            end = req.num_computed_tokens  # already advanced by schedule()
-            start = end - n
-            bids = self.sched.kv_cache_manager.get_block_ids(rid)[0]
-            self.block_tables[rid] = list(bids)
+        for rid, (req, start, end, bids) in rows.items():
             for p in range(start):
                 got = w.gpu.get(bids[p // BS], [None] * BS)[p % BS]
                 assert got == req.all_token_ids[p], (
@@ -216,7 +258,7 @@ class Engine:
                 w.gpu.setdefault(bids[p // BS], [None] * BS)[p % BS] = req.all_token_ids[p]
             sampled[rid] = [self.next_token(req)] if end >= req.num_tokens else []
         for jid, due in sorted(w.pending.items()):
-            if due <= self.step_no:
+            if due <= now:
                 self._finish_store(jid)
                 completed[jid] = 1
         rids = list(out.num_scheduled_tokens)
@@ -225,13 +267,27 @@ class Engine:
             sampled_token_ids=[sampled[r] for r in rids],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=recving or None,
+                invalid_block_ids=invalid,
                 kv_connector_worker_meta=(OffloadingWorkerMetadata(completed_jobs=completed)
                                           if completed else None)))
         self.sched.update_from_output(out, mro)
         if hasattr(self.mgr, "check_invariants"):  # vLLM's native manager has none
             self.mgr.check_invariants()
             assert self.mgr.used_bytes <= self.mgr.host_bytes_budget
-        return out, meta
+
+    def _finish_load(self, jid, recving, invalid):
+        w = self.worker
+        job = w.load_jobs[jid]
+        del w.pending_loads[jid]
+        bad = set(w.fail_load(job)) if w.fail_load is not None else set()
+        src, dst = job.src_spec.block_ids, job.dst_spec.block_ids
+        keep = [k for k, g in enumerate(dst) if int(g) not in bad]
+        w._copy(w.host, [src[k] for k in keep], w.gpu, [dst[k] for k in keep])
+        for g in bad:
+            w.gpu[int(g)] = [-1] * BS  # what a failed restore leaves
+        w.failed_blocks += len(bad)
+        invalid |= {int(g) for g in bad}
+        recving.add(job.req_id)
 
     def _finish_store(self, jid):
         w = self.worker
@@ -243,7 +299,10 @@ class Engine:
         for _ in range(max_steps):
             if until():
                 return
-            self.step()
+            if self.sched.has_requests() or not self.queue:
+                self.step()
+            else:
+                self.drain_one()
         raise AssertionError("engine did not reach the expected state")
 
     def run_to_completion(self, *reqs):
@@ -584,3 +643,69 @@ def test_decode_blocks_raise_the_returning_turns_hits(vllm_cpu):
     assert eager[0] == prompt_only[0] == 0.0
     assert eager[1] == pytest.approx(560 / 592, abs=0.01), eager
     assert prompt_only[1] == pytest.approx(528 / 592, abs=0.01), prompt_only
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("load_lag", [1, 3])
+def test_storm_of_aborts_resets_preemptions_and_failed_loads_loses_no_block(
+        vllm_cpu, fresh_seed, async_scheduling, load_lag):
+    """Reliability storm through vLLM's own scheduler: async scheduling (two batches in
+    flight) or not, shared prefixes and a GPU pool far too small (preemption storms),
+    random aborts (also of requests whose stores or loads are in flight), random
+    ``reset_prefix_cache`` with the connector, and 1 in 8 loads failing on some of their
+    blocks, reported as ``invalid_block_ids`` under ``kv_load_failure_policy: recompute``.
+    Every executed step checks that each position a request attends to holds its token
+    (a lost, stale or failed block that vLLM used fails the test); every surviving
+    request must finish with all of its tokens; the manager's invariants hold throughout.
+    The four cases together run >= 10,000 operations (steps, jobs, aborts, resets)."""
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(fresh_seed)
+
+    def fail_load(job):
+        if rng.random() >= 1 / 8:
+            return []
+        ids = [int(b) for b in job.dst_spec.block_ids]
+        return rng.sample(ids, rng.randint(1, len(ids)))
+
+    eng = Engine(vllm_cpu, gpu_blocks=48, host_blocks=160, store_lag=rng.choice([1, 2, 4]),
+                 prefix_caching=True, max_num_seqs=10, max_batched=192,
+                 async_scheduling=async_scheduling, load_lag=load_lag, fail_load=fail_load)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(rng.randint(2, 6) * BS)]
+                for _ in range(6)]
+    ops = {"steps": 0, "aborts": 0, "resets": 0, "requests": 0}
+    live: list = []
+    aborted: set[str] = set()
+    while ops["steps"] < 1400:
+        if len(live) < 14 and rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + [rng.randrange(1, 1000)
+                                             for _ in range(rng.randint(1, 3 * BS))]
+            ops["requests"] += 1
+            live.append(eng.add(f"r{ops['requests']}", prompt, rng.randint(1, 3 * BS)))
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            if not victim.is_finished():
+                eng.sched.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+                aborted.add(victim.request_id)
+                ops["aborts"] += 1
+        if rng.random() < 0.005:
+            eng.sched.reset_prefix_cache(reset_connector=True)
+            ops["resets"] += 1
+        eng.step()
+        ops["steps"] += 1
+        live = [r for r in live if not r.is_finished()]
+    eng.run(lambda: not eng.sched.has_requests() and not eng.queue, max_steps=5000)
+    finished = [r for r in eng.reqs.values() if r.request_id not in aborted]
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in finished)
+    assert all(r.num_output_tokens == r.max_tokens for r in finished)
+    w = eng.worker
+    ops["store_jobs"], ops["load_jobs"] = len(w.store_jobs), len(w.load_jobs)
+    print(f"storm ops {ops}, failed blocks {w.failed_blocks}, dropped "
+          f"{eng.mgr.counters.dropped_blocks}, preemptions "
+          f"{sum(r.num_preemptions for r in eng.reqs.values())}")
+    assert sum(ops.values()) >= 2500, ops
+    assert sum(r.num_preemptions for r in eng.reqs.values()) >= 20
+    assert ops["load_jobs"] >= 20 and w.failed_blocks > 0 and ops["aborts"] > 10
+    assert eng.mgr.counters.dropped_blocks > 0  # failed restores are not served again
+    eng.mgr.check_invariants()
+    assert not w.pending and not w.pending_loads

@@ -126,6 +126,7 @@ def test_kv_transfer_config_cli_form_parses():
     d = kv_transfer_config_dict(2.5, ring_mib=64)
     c = KVTransferConfig(**d)
     assert c.kv_connector == "OffloadingConnector"
+    assert c.kv_load_failure_policy == "recompute"
     assert c.kv_connector_extra_config["spec_name"] == SPEC_NAME
     assert c.kv_connector_extra_config["cpu_bytes_to_use"] == int(2.5 * (1 << 30))
 
@@ -237,3 +238,31 @@ def test_worker_store_paths_reach_the_managers_metrics():
     # every byte written to the host is in the D2H counters, with its copy time
     assert red[M.D2H_BYTES] == 5 * nb and red[M.D2H_SECONDS] > 0
     assert torch.equal(w.host[:5], t[:5])  # the CPU runtime is synchronous
+
+
+def test_drop_forgets_a_failed_restore_now_or_after_its_last_load():
+    """A restore reported invalid drops the host copies (vllm_guards): an idle block is
+    freed at once, a block still being loaded when its last load completes; lookups miss
+    from the drop on, and a later store of the key takes a fresh host block."""
+    from kv_tier_harness import CTX, key_of
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from ion_vllm.kv_tier.manager import IonKVTierManager
+
+    m = IonKVTierManager(4, 10, 40, 4, enable_events=True)
+    keys = [key_of(i) for i in range(3)]
+    out = m.prepare_store(keys, CTX)
+    m.complete_store(out.keys_to_store, CTX)
+    m.prepare_load([keys[1]], CTX)  # block 1 is being loaded
+    list(m.take_events())
+    assert m.drop([keys[0], keys[1], key_of(99)]) == 2  # an unknown key is ignored
+    assert m.lookup(keys[0], CTX) == m.lookup(keys[1], CTX) == LookupResult.MISS
+    assert m.used_blocks == 2 and len(m._free) == 2  # block 1 still held by its load
+    m.check_invariants()
+    m.complete_load([keys[1]], CTX)
+    assert m.used_blocks == 1 and m.counters.dropped_blocks == 2
+    assert [(sorted(e.keys), e.removed) for e in m.take_events()] == [
+        ([keys[0]], True), ([keys[1]], True)]
+    again = m.prepare_store(keys, CTX)  # recomputed blocks are stored again
+    assert sorted(again.keys_to_store) == sorted(keys[:2])
+    m.check_invariants()

@@ -449,3 +449,77 @@ def test_verify_needs_the_ion_spec():
                         "--verify", "--spec", "native"], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == 2 and "--verify needs --spec ion" in r.stderr
+
+
+# ---- failures are reported to vLLM as invalid blocks (worker.py, "Failures") ---------
+def test_a_verify_mismatch_is_reported_as_an_invalid_block():
+    r = Rig(worker_cls=_FlipOnLoadWorker)
+    r.roundtrip([1, 2], [0, 1], [3, 4])
+    assert r.w.take_invalid_block_ids() == {4}  # the flipped block only
+    assert r.w.take_invalid_block_ids() == set()  # reported once
+    assert r.st.failed_load_blocks == 1
+
+
+class _RaiseOn(TorchCopier):
+    """A copier whose ``op`` raises (a copy that cannot be issued) while ``armed``."""
+
+    op, armed = "to_gpu", True
+
+    def _maybe_raise(self, op):
+        if _RaiseOn.armed and op == _RaiseOn.op:
+            raise RuntimeError(f"injected: {op} cannot be issued")
+
+    def to_gpu(self, *a):
+        self._maybe_raise("to_gpu")
+        super().to_gpu(*a)
+
+    def to_host(self, *a):
+        self._maybe_raise("to_host")
+        super().to_host(*a)
+
+    def drain(self, *a):
+        self._maybe_raise("drain")
+        super().drain(*a)
+
+
+class _RaiseWorker(IonKVTierWorker):
+    @staticmethod
+    def _copier_cls(is_cuda):
+        return _RaiseOn
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_a_load_copy_that_cannot_be_issued_fails_its_blocks_not_the_engine(verify, caplog):
+    _RaiseOn.op, _RaiseOn.armed = "to_gpu", False
+    # eager: a launch runs its copy at once, as CUDA issues it inside rt.launch
+    r = Rig(worker_cls=_RaiseWorker, verify=verify, eager=True)
+    r.fill([1, 2, 3])
+    r.finish(r.store([1, 2, 3], [0, 1, 2]))
+    _RaiseOn.armed = True
+    with caplog.at_level(logging.ERROR):
+        j = r.load([0, 1, 2], [5, 6, 7])  # does not raise into vLLM's engine loop
+        r.finish(j)  # the job is reported finished ...
+    assert r.w.take_invalid_block_ids() == {5, 6, 7}  # ... and its blocks invalid
+    assert r.st.failed_copies == 1 and any("could not be issued" in m
+                                           for m in caplog.messages)
+    _RaiseOn.armed = False
+    r.finish(r.load([0, 1, 2], [8, 9, 10]))  # the host copies are fine: a retry works
+    assert r.w.take_invalid_block_ids() == set()
+    assert all(r.kvm.equal(d, r.truth[b]) for d, b in zip([8, 9, 10], [1, 2, 3]))
+
+
+@pytest.mark.parametrize("path", ["ring", "spill"])
+def test_a_failed_store_leaves_its_host_blocks_bad_until_stored_again(path):
+    _RaiseOn.op, _RaiseOn.armed = ("drain" if path == "ring" else "to_host"), True
+    r = Rig(worker_cls=_RaiseWorker, ring_slots=8 if path == "ring" else 0, verify=False,
+            eager=True)
+    r.fill([1, 2])
+    r.finish(r.store([1, 2], [4, 5]))  # reported finished: vLLM's contract has no failure
+    assert r.st.failed_store_blocks == 2
+    _RaiseOn.armed = False
+    r.finish(r.load([4, 5], [6, 7]))
+    assert r.w.take_invalid_block_ids() == {6, 7}  # never served as good
+    r.finish(r.store([1], [4]))  # stored again: good again
+    r.finish(r.load([4, 5], [8, 9]))
+    assert r.w.take_invalid_block_ids() == {9}
+    assert r.kvm.equal(8, r.truth[1])

@@ -207,3 +207,57 @@ def test_the_store_result_reports_the_bytes_and_a_time():
     (res,) = w.get_finished()
     assert res.job_id == 7 and res.success and res.transfer_size == 2 * w.slot_bytes
     assert res.transfer_time > 0
+
+
+# ---- the host pool (host_pool.py) ----------------------------------------------------
+def test_the_host_pool_is_exactly_the_size_asked_and_locked_once():
+    from ion_vllm.kv_tier.host_pool import HostPool
+
+    calls = []
+    pool = HostPool(37, 3 * 4096 + 8, pin=True,
+                    register=lambda p, n: calls.append(("reg", p, n)),
+                    unregister=lambda p: calls.append(("unreg", p)))
+    t = pool.tensor
+    assert t.shape == (37, 3 * 4096 + 8) and t.dtype.itemsize == 1 and t.is_contiguous()
+    assert calls == [("reg", t.data_ptr(), 37 * (3 * 4096 + 8))]  # not a power of two
+    assert pool.pinned and t.data_ptr() % 4096 == 0
+    t[-1, -1] = 7  # writable to its last byte
+    pool.close()
+    pool.close()
+    assert calls[1:] == [("unreg", t.data_ptr())]
+
+
+def test_a_host_pool_that_cannot_be_locked_stays_pageable_and_says_so(caplog):
+    import logging
+
+    from ion_vllm.kv_tier.host_pool import HostPool
+
+    with caplog.at_level(logging.WARNING):
+        pool = HostPool(4, 1024, pin=True, register=lambda p, n: "out of memory",
+                        unregister=lambda p: pytest.fail("nothing to unlock"))
+    assert not pool.pinned and pool.tensor.shape == (4, 1024)
+    assert any("could not page-lock" in m and "out of memory" in m for m in caplog.messages)
+    pool.close()
+
+
+def test_vllm_s_connector_reports_what_the_ion_worker_failed():
+    """vllm_guards.install_load_error_reporting: the OffloadingConnector (worker role)
+    names the Ion worker's invalid blocks once; other specs' workers keep vLLM's
+    answer (none)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector)
+
+    from ion_vllm.kv_tier.vllm_guards import install_load_error_reporting
+
+    install_load_error_reporting()
+    install_load_error_reporting()  # idempotent
+    kvm, rt, w = _rig()
+    w._invalid_gpu.update({3, 9})
+    conn = object.__new__(OffloadingConnector)
+    conn.connector_worker = SimpleNamespace(worker=w)
+    assert conn.get_block_ids_with_load_errors() == {3, 9}
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.connector_worker = SimpleNamespace(worker=object())  # another spec's worker
+    assert conn.get_block_ids_with_load_errors() == set()

@@ -35,8 +35,9 @@ def kv_transfer_config_dict(host_gib: float, **extra) -> dict:
     """The --kv-transfer-config that selects the Ion tier with host_gib GiB."""
     cfg = {"spec_name": SPEC_NAME, "cpu_bytes_to_use": int(host_gib * (1 << 30))}
     cfg.update(extra)
+    # recompute: a block whose restore failed is recomputed, not its request failed
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": cfg}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
 
 
 def _install_env_switch() -> None:

@@ -80,12 +80,13 @@ class IonHostSpec(BlockIDsLoadStoreSpec):
 
 
 class _Entry:
-    __slots__ = ("block_id", "ref", "seq")
+    __slots__ = ("block_id", "ref", "seq", "dropped")
 
     def __init__(self, block_id: int, seq: int = 0):
         self.block_id = block_id
         self.ref = -1
         self.seq = seq  # prepare_store order (sequence position within a job)
+        self.dropped = False  # a restore of it failed: removed once its loads complete
 
     @property
     def ready(self) -> bool:
@@ -195,7 +196,7 @@ class IonKVTierManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters.lookup_blocks += 1
         e = self._entries.get(key)
-        if e is None:
+        if e is None or e.dropped:
             return LookupResult.MISS
         self.counters.lookup_hit_blocks += 1
         return LookupResult.HIT if e.ready else LookupResult.HIT_PENDING
@@ -230,7 +231,32 @@ class IonKVTierManager(OffloadingManager):
             e.ref -= 1
             if e.ref == 0:
                 idle.append(key)
-        self._make_idle(idle)
+        gone = [k for k in idle if self._entries[k].dropped]
+        for k in gone:
+            self._give_free(self._entries.pop(k).block_id)
+        self._emit(gone, removed=True)
+        self._make_idle([k for k in idle if k in self._entries])
+
+    def drop(self, keys: Collection[OffloadKey]) -> int:
+        """Forget the host copies of ``keys`` (a restore of them was reported invalid, so
+        vLLM recomputes them and a later lookup must miss, not load them again): idle ones
+        now, ones still being loaded when their last load completes.  Keys unknown or
+        still being stored are left alone.  Returns how many were dropped."""
+        now: list[OffloadKey] = []
+        n = 0
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or not e.ready or e.dropped:
+                continue
+            n += 1
+            e.dropped = True
+            if e.ref == 0:
+                del self._lru[key]
+                self._give_free(self._entries.pop(key).block_id)
+                now.append(key)
+        self._emit(now, removed=True)
+        self.counters.dropped_blocks += n
+        return n
 
     @traced("ion_kv:prepare_store")
     def prepare_store(
@@ -351,6 +377,8 @@ class IonKVTierManager(OffloadingManager):
         assert len(ids) + len(self._free) == self.num_host_blocks, "host block leaked"
         assert self.used_bytes <= self.host_bytes_budget, "host byte budget exceeded"
         idle = {k for k, e in self._entries.items() if e.ref == 0}
+        assert not any(e.dropped and e.ref <= 0 for e in self._entries.values()), \
+            "dropped block still held"
         assert idle == set(self._lru), "LRU list != idle blocks"
         pending = sum(1 for e in self._entries.values() if e.ref < 0)
         assert pending == self._inflight, "in-flight count drift"

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from ion_vllm.kv_tier.config import KVTierConfig
 from ion_vllm.kv_tier.manager import IonKVTierManager
 from ion_vllm.kv_tier.stats import add_process_counters, metric_definitions, process_counter_values
-from ion_vllm.kv_tier.vllm_guards import install_abort_guard
+from ion_vllm.kv_tier.vllm_guards import install_abort_guard, install_load_error_reporting
 
 logger = init_logger(__name__)
 
@@ -79,6 +79,7 @@ class IonKVTierSpec(OffloadingSpec):
             # scheduler side: vLLM 0.26 crashes on an abort of a preempted request that
             # this spec's store policy reaches (vllm_guards)
             install_abort_guard()
+            install_load_error_reporting()
             self._manager = IonKVTierSchedulerManager.from_config(
                 self.config, self.worker_block_bytes, self.world,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
@@ -88,6 +89,7 @@ class IonKVTierSpec(OffloadingSpec):
         if self._worker is None:
             from ion_vllm.kv_tier.worker import IonKVTierWorker
 
+            install_load_error_reporting()
             self._worker = IonKVTierWorker(kv_caches, self.config, self.num_host_blocks)
             if self._worker.slot_bytes != self.worker_block_bytes:
                 logger.warning("Ion KV tier: worker block is %d B, scheduler assumed %d B",

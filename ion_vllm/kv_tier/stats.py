@@ -42,6 +42,7 @@ class M:
     D2H_SECONDS = PREFIX + "d2h_seconds"
     VERIFIED_BLOCKS = PREFIX + "verified_blocks"
     VERIFY_MISMATCH_BLOCKS = PREFIX + "verify_mismatch_blocks"
+    FAILED_LOAD_BLOCKS = PREFIX + "failed_load_blocks"
 
 
 _DOCS = {  # metric -> (gauge?, documentation)
@@ -70,6 +71,8 @@ _DOCS = {  # metric -> (gauge?, documentation)
                         "compared with the fingerprint of their source at store."),
     M.VERIFY_MISMATCH_BLOCKS: (False, "verify mode: restored blocks whose fingerprint "
                                "differs from the stored one (or that had none)."),
+    M.FAILED_LOAD_BLOCKS: (False, "worker: restored blocks reported to vLLM as invalid "
+                           "(copy not issued, source store failed, or verify mismatch)."),
 }
 
 
@@ -93,6 +96,7 @@ class ProcessCounters:
     spill_blocks: int = 0
     d2h_bytes: int = 0  # bytes written to host memory (ring drains, spills)
     d2h_seconds: float = 0.0  # device time of those copies
+    failed_load_blocks: int = 0  # restored blocks reported invalid
 
     def snapshot(self) -> "ProcessCounters":
         return dataclasses.replace(self)
@@ -107,6 +111,7 @@ _PROCESS_METRICS = (
     (M.SPILL_BLOCKS, "spill_blocks"),
     (M.D2H_BYTES, "d2h_bytes"),
     (M.D2H_SECONDS, "d2h_seconds"),
+    (M.FAILED_LOAD_BLOCKS, "failed_load_blocks"),
 )
 _process_values = operator.attrgetter(*(f for _, f in _PROCESS_METRICS))
 
@@ -149,6 +154,7 @@ class ManagerCounters:
     store_no_space_blocks: int = 0
     store_after_finish_blocks: int = 0
     evicted_blocks: int = 0
+    dropped_blocks: int = 0  # host copies forgotten after a failed restore
 
 
 @dataclass
@@ -177,6 +183,10 @@ class WorkerStats:
     verified_blocks: int = 0  # restored blocks compared with their stored fingerprint
     verify_mismatch_blocks: int = 0  # ... that differed or had no fingerprint
     verify_unknown_blocks: int = 0  # ... of these: no fingerprint for the host block
+    # failures (worker.py, "Failures")
+    failed_copies: int = 0  # copies that could not be issued
+    failed_store_blocks: int = 0  # host blocks left bad by a failed store copy
+    failed_load_blocks: int = 0  # restored blocks reported to vLLM as invalid
 
     @property
     def d2h_gbps(self) -> float:

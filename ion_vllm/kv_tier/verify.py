@@ -3,7 +3,8 @@ finished load).  A store fingerprints its GPU source blocks on the stream that r
 before vLLM may reuse them, keyed by host block id (a rewrite replaces the fingerprint);
 a load takes its host blocks' fingerprints at submit and, once its copy has completed,
 fingerprints the destination GPU blocks on a stream of its own, reads them back and
-compares: ``verified_blocks``, ``verify_mismatch_blocks`` (logged at error level).  This
+compares: ``verified_blocks``, ``verify_mismatch_blocks`` (logged at error level, and
+reported to vLLM as invalid blocks, so they are recomputed, not used).  This
 checks the bytes through ring, host pool and restore; which key lives in which host block
 is the manager's bookkeeping, checked by the scheduler tests.
 """
@@ -183,32 +184,35 @@ class BlockVerifier:
         return [self.by_host.get(h) for h in host.tolist()]
 
     def check_load(self, job_id: int, groups: np.ndarray, gpu: np.ndarray,
-                   host: np.ndarray, expected: list, end: Any) -> None:
+                   host: np.ndarray, expected: list, end: Any) -> list[int]:
         """The host -> GPU copy of a load (its event ``end``) has completed: fingerprint
-        the destination blocks on the verify stream, read them back and compare."""
+        the destination blocks on the verify stream, read them back and compare.  Returns
+        the positions (into ``gpu``) that differ or have no stored fingerprint: the worker
+        reports them to vLLM as invalid."""
         self.rt.wait_event(self.stream, end)
         got = self._queue(self.stream, groups, gpu)
         got.event = self.rt.record(self.stream)
         values = self.resolve(got)
-        bad = 0
+        bad: list[int] = []
         for k, (exp, h, g) in enumerate(zip(expected, host.tolist(), gpu.tolist())):
             if exp is None:
                 self.stats.verify_unknown_blocks += 1
-                bad += 1
+                bad.append(k)
                 logger.error("Ion KV tier VERIFY: load job %d restored host block %d into "
                              "GPU block %d, but no store of that host block was seen",
                              job_id, h, g)
                 continue
             want = self.resolve(exp[0])[exp[1]]
             if values[k] != want:
-                bad += 1
+                bad.append(k)
                 logger.error("Ion KV tier VERIFY MISMATCH: load job %d, host block %d -> "
                              "GPU block %d: restored fingerprint %#x != stored %#x",
                              job_id, h, g, values[k], want)
         self.stats.verified_blocks += len(gpu)
-        self.stats.verify_mismatch_blocks += bad
+        self.stats.verify_mismatch_blocks += len(bad)
         PROCESS_COUNTERS.verified_blocks += len(gpu)
-        PROCESS_COUNTERS.verify_mismatch_blocks += bad
+        PROCESS_COUNTERS.verify_mismatch_blocks += len(bad)
+        return bad
 
     def summary(self) -> None:
         st = self.stats

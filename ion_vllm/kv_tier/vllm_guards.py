@@ -1,5 +1,6 @@
-"""A guard for a vLLM 0.26 engine crash in its OffloadingConnector, which the Ion tier
-reaches more often than vLLM's default policy does.
+"""Guards on vLLM 0.26's OffloadingConnector: an engine crash the Ion tier reaches more
+often than vLLM's default policy does, and the load-failure contract the connector does
+not wire up (``install_load_error_reporting``, at the end).
 
 The crash (vLLM's own scheduler-side code): a request is looked up (which clears the
 connector's record of its GPU block ids), finds no room and waits, and is then aborted (a
@@ -78,3 +79,65 @@ def install_abort_guard() -> bool:
     logger.info("Ion KV tier: guard installed on OffloadingConnectorScheduler."
                 "request_finished (abort of a waiting request)")
     return True
+
+
+def _wrap(cls: Any, name: str, make) -> bool:
+    """Replace ``cls.name`` by ``make(original)`` once (marked); False if already done."""
+    orig = getattr(cls, name)
+    if getattr(orig, _MARK, False):
+        return False
+    fn = make(orig)
+    setattr(fn, _MARK, True)
+    fn.__wrapped__ = orig  # type: ignore[attr-defined]
+    fn.__doc__ = orig.__doc__
+    setattr(cls, name, fn)
+    return True
+
+
+def install_load_error_reporting() -> None:
+    """vLLM's scheduler recomputes (``kv_load_failure_policy: recompute``) or fails the
+    blocks a connector names in ``get_block_ids_with_load_errors``, but vLLM 0.26's
+    OffloadingConnector never names any.  Two wrappers, both inert for other specs:
+
+    * worker side: ``OffloadingConnector.get_block_ids_with_load_errors`` returns what an
+      Ion worker's ``take_invalid_block_ids`` reports (worker.py, "Failures");
+    * scheduler side: ``OffloadingConnectorScheduler.update_connector_output``, when the
+      step reports invalid blocks, drops the host copies of the load jobs completed in that
+      step from an Ion manager (``IonKVTierManager.drop``), so that the recomputed blocks
+      are not restored from the same bad copy again.  The output names GPU blocks, not
+      jobs, so every load job the step completed is dropped: a few good copies may go too,
+      which costs a re-store, never a wrong block.
+    Idempotent."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector)
+
+    def make_errors(orig):
+        def get_block_ids_with_load_errors(self):
+            worker = getattr(getattr(self, "connector_worker", None), "worker", None)
+            take = getattr(worker, "take_invalid_block_ids", None)
+            return take() if take is not None else orig(self)
+        return get_block_ids_with_load_errors
+
+    def make_update(orig):
+        def update_connector_output(self, connector_output):
+            drop = getattr(self.manager, "drop", None)
+            meta = connector_output.kv_connector_worker_meta
+            keys: set = set()
+            if drop is not None and connector_output.invalid_block_ids and meta is not None:
+                for jid in getattr(meta, "completed_jobs", {}):
+                    job = self._jobs.get(jid)
+                    if job is not None and not job.is_store:
+                        keys |= job.keys
+            out = orig(self, connector_output)
+            if keys:
+                n = drop(keys)
+                logger.warning("Ion KV tier: %d GPU block(s) failed to restore; %d host "
+                               "cop(ies) dropped, vLLM recomputes the blocks",
+                               len(connector_output.invalid_block_ids), n)
+            return out
+        return update_connector_output
+
+    _wrap(OffloadingConnector, "get_block_ids_with_load_errors", make_errors)
+    _wrap(OffloadingConnectorScheduler, "update_connector_output", make_update)

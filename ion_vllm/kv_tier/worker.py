@@ -26,6 +26,15 @@ belong to a request that computes nothing until the load is reported, and vLLM 0
 freeing a block while an in-flight step may still write it (``defer_block_free``, checked
 by tests/test_kv_tier_scheduler.py).  Waiting for the compute stream as well delayed every
 restore by up to one forward step on the H200.
+
+Failures: a copy that cannot be issued (its launch raises) fails its blocks, not the
+engine.  A store's failed host blocks are marked bad until stored again; a load of a bad
+host block, a load copy that failed, or (verify mode) a restored block whose fingerprint
+differs, is reported to vLLM as an invalid GPU block (``take_invalid_block_ids``, wired
+to the connector's ``get_block_ids_with_load_errors`` by vllm_guards), so vLLM recomputes
+it under ``kv_load_failure_policy: recompute`` and fails the request under ``fail``.
+vLLM 0.26's connector asserts that every job succeeded, so the job itself is reported
+finished.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from vllm.v1.kv_offload.base import (
 
 from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.config import KVTierConfig
+from ion_vllm.kv_tier.host_pool import HostPool
 from ion_vllm.kv_tier.copies import (
     BatchCopier,
     TorchCopier,
@@ -74,6 +84,7 @@ class _Piece:
     end: Any  # event: the bytes are on the host
     fp: FpBatch | None = None  # verify mode: fingerprints of the source blocks
     src_start: Any = None  # ring piece: event before its gather
+    failed: bool = False  # a copy of this piece could not be issued
 
 
 @dataclass
@@ -101,6 +112,7 @@ class _LoadJob:
     start: Any
     end: Any
     expected: list | None = None  # verify mode: the host blocks' fingerprints at submit
+    bad: set[int] = field(default_factory=set)  # positions whose restore is invalid
 
 
 def _flatten(gpu_spec: GPULoadStoreSpec, other: BlockIDsLoadStoreSpec):
@@ -145,15 +157,17 @@ class IonKVTierWorker(OffloadingWorker):
         is_cuda = self.device.type == "cuda"
         self.rt = runtime if runtime is not None else (
             CudaRuntime(self.device) if is_cuda else SimRuntime(eager=True))
-        self.copier = self._copier_cls(is_cuda)(self.tensors, self.offsets, group_refs)
         self.num_host_blocks = num_host_blocks
         t0 = time.monotonic()
-        self.host = torch.empty((num_host_blocks, self.slot_bytes), dtype=torch.int8,
-                                device="cpu", pin_memory=is_cuda)
+        self.host_pool = HostPool(num_host_blocks, self.slot_bytes, pin=is_cuda)
+        self.host = self.host_pool.tensor
         logger.info("Ion KV tier: %d host blocks x %d B = %.2f GiB pinned=%s (%.1fs)",
                     num_host_blocks, self.slot_bytes,
-                    num_host_blocks * self.slot_bytes / 2**30, is_cuda,
+                    num_host_blocks * self.slot_bytes / 2**30, self.host_pool.pinned,
                     time.monotonic() - t0)
+        # pageable host memory: plain torch copies (staged by the driver)
+        self.copier = self._copier_cls(is_cuda and self.host_pool.pinned)(
+            self.tensors, self.offsets, group_refs)
         self.ring = StagingRing(config.ring_bytes, self.slot_bytes, self.device)
         self.ring_gather, self.ring_gather_impl = self._make_ring_gather(is_cuda)
         logger.info("Ion KV tier: ring of %d slots (%d MiB), GPU -> ring by %s, copies by "
@@ -165,6 +179,8 @@ class IonKVTierWorker(OffloadingWorker):
         self._ring_pieces: list[_Piece] = []  # holding ring slots, oldest first
         self._loads: dict[int, _LoadJob] = {}
         self._host_pending: dict[int, Any] = {}  # host id -> end event of its last write
+        self._bad_host: set[int] = set()  # host blocks whose last store failed
+        self._invalid_gpu: set[int] = set()  # GPU blocks of failed loads, not yet reported
         self.stats = WorkerStats(ring_slots=self.ring.num_slots)
         self._last_log = time.monotonic()
         self.verifier = (BlockVerifier(self.rt, self.tensors, self.page_bytes, self.offsets,
@@ -204,6 +220,7 @@ class IonKVTierWorker(OffloadingWorker):
         job = _StoreJob(job_id, groups, gpu, host, self._nbytes(groups))
         self._stores[job_id] = job
         self.stats.store_jobs += 1
+        self._bad_host.difference_update(host.tolist())  # rewritten now
         self._reclaim()
         while job.next_item < job.n:
             run = self.ring.alloc.alloc(job.n - job.next_item)
@@ -220,9 +237,11 @@ class IonKVTierWorker(OffloadingWorker):
         a, b = job.next_item, job.next_item + count
         compute = rt.current_stream()  # in line with the work that wrote the blocks
         src_start = rt.record(compute)
+        ok = True
         for g, i0, i1 in group_runs(job.groups, a, b):
             ids, s = job.gpu[i0:i1], start + (i0 - a)
-            rt.launch(compute, lambda g=g, ids=ids, s=s: self.ring_gather(ring, s, g, ids))
+            ok &= self._copy(compute, lambda g=g, ids=ids, s=s:
+                             self.ring_gather(ring, s, g, ids))
         fp = self._fingerprint_store(compute, job, a, b)
         read_done = rt.record(compute)
         if fp is not None:
@@ -231,9 +250,11 @@ class IonKVTierWorker(OffloadingWorker):
         hids = job.host[a:b]
         self._after_pending_writes(self._drain, hids)
         ev0 = rt.record(self._drain)
-        rt.launch(self._drain, lambda: self.copier.drain(ring, start, self.host, hids))
+        ok &= self._copy(self._drain,
+                         lambda: self.copier.drain(ring, start, self.host, hids))
         ev1 = rt.record(self._drain)
         p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp, src_start)
+        self._piece_issued(p, ok)
         job.pieces.append(p)
         job.next_item = b
         self._ring_pieces.append(p)
@@ -252,21 +273,45 @@ class IonKVTierWorker(OffloadingWorker):
         rt.wait_current(stream)
         self._after_pending_writes(stream, job.host[a:b])
         ev0 = rt.record(stream)
+        ok = True
         for g, i0, i1 in group_runs(job.groups, a, b):
             gids, hids = job.gpu[i0:i1], job.host[i0:i1]
-            rt.launch(stream, lambda g=g, gids=gids, hids=hids:
-                      self.copier.to_host(self.host, g, gids, hids))
+            ok &= self._copy(stream, lambda g=g, gids=gids, hids=hids:
+                             self.copier.to_host(self.host, g, gids, hids))
         fp = self._fingerprint_store(stream, job, a, b)
         ev1 = rt.record(stream)
         if fp is not None:
             fp.event = ev1
-        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp))
+        p = _Piece(job, a, b - a, None, ev1, ev0, ev1, fp)
+        self._piece_issued(p, ok)
+        job.pieces.append(p)
         for h in job.host[a:b].tolist():
             self._host_pending[h] = ev1
         job.next_item = b
         self.stats.spill_blocks += b - a
         self.stats.spill_bytes += self._nbytes(job.groups[a:b])
         PROCESS_COUNTERS.spill_blocks += b - a
+
+    def _copy(self, stream: Any, fn) -> bool:
+        """Issue one copy on ``stream``; False (logged) when it cannot be issued: its
+        blocks are then invalid, and the engine goes on."""
+        try:
+            self.rt.launch(stream, fn)
+        except Exception:  # noqa: BLE001 - any issue failure fails the blocks, not vLLM
+            logger.exception("Ion KV tier: a copy could not be issued; its blocks are "
+                             "reported invalid")
+            self.stats.failed_copies += 1
+            return False
+        return True
+
+    def _piece_issued(self, p: _Piece, ok: bool) -> None:
+        """A store piece whose copy failed leaves its host blocks bad until rewritten: a
+        load of them is reported invalid."""
+        if not ok:
+            p.failed = True
+            hids = p.job.host[p.first:p.first + p.count].tolist()
+            self._bad_host.update(hids)
+            self.stats.failed_store_blocks += len(hids)
 
     def _fingerprint_store(self, stream: Any, job: _StoreJob, a: int,
                            b: int) -> FpBatch | None:
@@ -326,12 +371,14 @@ class IonKVTierWorker(OffloadingWorker):
         # no rt.wait_current(stream): see "Load" in the module docstring
         self.stats.loads_ordered_after_drain += self._after_pending_writes(stream, host)
         ev0 = rt.record(stream)
+        bad = {k for k, h in enumerate(host.tolist()) if h in self._bad_host}
         for g, i0, i1 in group_runs(groups, 0, len(gpu)):
             hids, gids = host[i0:i1], gpu[i0:i1]
-            rt.launch(stream, lambda g=g, hids=hids, gids=gids:
-                      self.copier.to_gpu(self.host, g, hids, gids))
+            if not self._copy(stream, lambda g=g, hids=hids, gids=gids:
+                              self.copier.to_gpu(self.host, g, hids, gids)):
+                bad.update(range(i0, i1))
         ev1 = rt.record(stream)
-        ld = _LoadJob(job_id, self._nbytes(groups), groups, gpu, host, ev0, ev1)
+        ld = _LoadJob(job_id, self._nbytes(groups), groups, gpu, host, ev0, ev1, bad=bad)
         if self.verifier is not None:
             ld.expected = self.verifier.expect(host)
         self._loads[job_id] = ld
@@ -362,8 +409,10 @@ class IonKVTierWorker(OffloadingWorker):
             if not rt.query(ld.end):
                 continue
             if self.verifier is not None:
-                self.verifier.check_load(jid, ld.groups, ld.gpu, ld.host, ld.expected,
-                                         ld.end)
+                ld.bad.update(self.verifier.check_load(jid, ld.groups, ld.gpu, ld.host,
+                                                       ld.expected, ld.end))
+            if ld.bad:
+                self._load_failed(jid, ld)
             dt = rt.elapsed(ld.start, ld.end)
             self.stats.loaded_blocks += len(ld.gpu)
             self.stats.loaded_bytes += ld.nbytes
@@ -375,6 +424,22 @@ class IonKVTierWorker(OffloadingWorker):
         if self.LOG_INTERVAL_S and time.monotonic() - self._last_log > self.LOG_INTERVAL_S:
             self._last_log = time.monotonic()
             logger.info("Ion KV tier worker: %s", self.stats.as_dict())
+        return out
+
+    def _load_failed(self, jid: int, ld: _LoadJob) -> None:
+        ids = [int(ld.gpu[k]) for k in sorted(ld.bad)]
+        self._invalid_gpu.update(ids)
+        self.stats.failed_load_blocks += len(ids)
+        PROCESS_COUNTERS.failed_load_blocks += len(ids)
+        logger.error("Ion KV tier: load job %d restored %d of %d blocks wrongly or not at "
+                     "all (GPU blocks %s); reported to vLLM as invalid, to be recomputed",
+                     jid, len(ids), len(ld.gpu), ids[:16])
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """GPU block ids of loads that failed since the last call (vLLM's
+        ``get_block_ids_with_load_errors`` contract: reported once, in the step whose
+        ``get_finished`` reported their job)."""
+        out, self._invalid_gpu = self._invalid_gpu, set()
         return out
 
     @traced("ion_kv:wait")
@@ -402,6 +467,7 @@ class IonKVTierWorker(OffloadingWorker):
         self._ring_pieces.clear()
         if self.verifier is not None:
             self.verifier.summary()
+        self.host_pool.close()
 
     # ------------------------------------------------------------ checking
     def check_invariants(self) -> None:
