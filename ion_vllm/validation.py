@@ -81,6 +81,17 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None) -> str | None:
             f"quantized / fp8 KV cache); run with --kv-cache-dtype auto")
 
 
+def kv_dtype_matches_reason(kv_cache_dtype: str | None, dtype: Any) -> str | None:
+    """An unquantized cache in another dtype than the model's: the kernel reads K/V in
+    the query's dtype (and the fused writeback stores them unconverted)."""
+    model = dtype_name(dtype)
+    if kv_cache_dtype in (None, "auto") or kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES \
+            or model not in SUPPORTED_DTYPES or kv_cache_dtype == model:
+        return None
+    return (f"{BACKEND_NAME}: KV cache dtype {kv_cache_dtype} differs from the model dtype "
+            f"{model}; run with --kv-cache-dtype auto (or --kv-cache-dtype {model})")
+
+
 def block_size_reason(block_size: int | None) -> str | None:
     """``None`` means the user gave no ``--block-size``: vLLM then asks the backend and
     gets the kernel page (64).  A user-given size must be a multiple of it (vLLM splits
@@ -149,6 +160,7 @@ def backend_config_reasons(
         head_size_reason(head_size),
         dtype_reason(dtype),
         kv_cache_dtype_reason(kv_cache_dtype),
+        kv_dtype_matches_reason(kv_cache_dtype, dtype),
         block_size_reason(block_size),
         compute_capability_reason(device_capability),
         attn_type_reason(attn_type),

@@ -182,6 +182,18 @@ def test_backend_identity_and_flags():
     assert IonAttentionBackend.supports_batch_invariance() is True
 
 
+def test_fused_output_quantization_is_never_offered():
+    """vLLM's attention + quant fusion pass asks the layer's impl first; ION says no to
+    every quant key, so the pass leaves the quantization unfused and ``forward`` never
+    gets an output scale (its NotImplementedError stays unreachable)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8StaticTensorSym, kNvfp4Dynamic)
+
+    impl = IonAttentionImpl(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2)
+    for key in (kFp8StaticTensorSym, kNvfp4Dynamic):
+        assert impl.fused_output_quant_supported(key) is False
+
+
 def test_supported_sizes_and_types():
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backend import AttentionType

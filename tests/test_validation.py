@@ -24,6 +24,10 @@ BAD_BACKEND = [
     (dict(dtype=torch.float32), "float32", "--dtype bfloat16"),
     (dict(kv_cache_dtype="fp8"), "'fp8'", "--kv-cache-dtype auto"),
     (dict(kv_cache_dtype="fp8_e4m3"), "'fp8_e4m3'", "--kv-cache-dtype auto"),
+    (dict(kv_cache_dtype="float16"), "differs from the model dtype bfloat16",
+     "--kv-cache-dtype auto"),
+    (dict(dtype=torch.float16, kv_cache_dtype="bfloat16"), "KV cache dtype bfloat16",
+     "--kv-cache-dtype float16"),
     (dict(block_size=16), "--block-size 16", "--block-size 64"),
     (dict(block_size=32), "--block-size 32", "--block-size 64"),
     (dict(block_size=96), "--block-size 96", "--block-size 64"),
@@ -45,13 +49,14 @@ def test_good_backend_config_has_no_reasons():
     assert backend_config_reasons(**GOOD) == []
     for ok in (dict(head_size=64), dict(dtype=torch.float16), dict(dtype="bfloat16"),
                dict(kv_cache_dtype="bfloat16"), dict(kv_cache_dtype=None),
+               dict(dtype=torch.float16, kv_cache_dtype="float16"),
                dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True),
                dict(use_batch_invariant=True)):
         assert backend_config_reasons(**{**GOOD, **ok}) == [], ok
 
 
 @pytest.mark.parametrize("override,what,todo", BAD_BACKEND,
-                         ids=[next(iter(b[0])) + "=" + str(next(iter(b[0].values())))
+                         ids=[",".join(f"{k}={v}" for k, v in b[0].items())
                               for b in BAD_BACKEND])
 def test_bad_backend_config_is_refused_with_reason(override, what, todo):
     reasons = backend_config_reasons(**{**GOOD, **override})
