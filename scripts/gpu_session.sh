@@ -184,15 +184,18 @@ fi
 if want sanitize; then
   mkdir -p "$out/sanitize"
   seed=$(python3 -c 'import time; print(time.time_ns() % 2**31)')
+  # the tools run side by side (each run is bound by the sanitizer's slow kernels, not by
+  # the GPU's capacity); kernels come from ION_KERNEL_CACHE when an earlier step built them
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     san=(compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
       --cases "${SANITIZE_CASES:-96}" --seed "$seed" --max-kv-tokens 4096 --quiet \
-      --out "$out/sanitize/$tool-sweep"
+      --out "$out/sanitize/$tool-sweep" &
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \
-      -p no:cacheprovider tests/test_kv_append.py tests/test_kv_tier_gpu.py
+      -p no:cacheprovider tests/test_kv_append.py tests/test_kv_tier_gpu.py &
   done
+  wait
 fi
 mark all done
