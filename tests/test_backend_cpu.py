@@ -32,6 +32,7 @@ from ion_vllm.backend import (  # noqa: E402
     IonAttentionMetadataBuilder,
     StepPolicy,
 )
+from ion_vllm import validation  # noqa: E402
 from ion_vllm.validation import IonUnsupportedError  # noqa: E402
 from plan_checks import check_plan, qsl_of, seeded  # noqa: E402, F401  (seeded: a fixture)
 
@@ -361,6 +362,37 @@ def test_builder_sizes_one_device_plan_per_tile_size(make_config, monkeypatch, i
     assert b.kernel_options(torch.bfloat16) == tuple(
         KernelOptions("bfloat16", D, 8, tm, p.fresh_kv) for tm in p.tile_ms)
     assert b.plans_made == b.plans_reused == 0 and not b.use_cascade_attention()
+
+
+def test_tensor_parallel_builder_sizes_plans_for_its_rank_s_heads(make_config):
+    """--tensor-parallel-size 2 through vLLM's parser: each rank's builder sees its own
+    share of the heads (vLLM's per-rank KV spec and head count: GQA-7's 14 q / 2 KV heads
+    become 7 / 1), and its plan buffers and kernels are those of that share, not of the
+    whole model; the KV tier's config passes through to every rank."""
+    tp = make_config("--tensor-parallel-size", "2", "--max-num-seqs", "8",
+                     "--max-num-batched-tokens", "512", gqa7=True)
+    assert (tp.parallel_config.tensor_parallel_size, tp.parallel_config.world_size) == (2, 2)
+    hq, hkv = (tp.model_config.get_num_attention_heads(tp.parallel_config),
+               tp.model_config.get_num_kv_heads(tp.parallel_config))
+    assert (hq, hkv) == (HQ7 // 2, HKV // 2)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    rank_spec = FullAttentionSpec(block_size=P, num_kv_heads=hkv, head_size=D,
+                                  dtype=torch.bfloat16)
+    b = builder_for(tp, rank_spec)
+    assert (b.num_q_heads, b.num_kv_heads, b.group_size) == (7, 1, 7)
+    one = builder_for(make_config("--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                  gqa7=True))
+    assert b.kernel_options(torch.bfloat16) == one.kernel_options(torch.bfloat16)
+    for tm, dp in b.plans.items():  # work items scale with the rank's KV heads
+        assert dp.item_capacity == planner.worst_case_items(
+            8, 512, b.max_seq_len_bound, 1, 7, tile_m=tm, max_splits=16,
+            fresh_kv=True, unpacked_prefill=True)
+        assert dp.item_capacity < one.plans[tm].item_capacity
+    # a rank refuses what it cannot run by its own ratio, and says it is per GPU
+    reasons = validation.layer_config_reasons(num_heads=2 * 17, num_kv_heads=2, head_size=D)
+    assert len(reasons) == 1 and "GQA ratio 17" in reasons[0] and "per GPU" in reasons[0]
+    assert "--tensor-parallel-size does not help" in reasons[0]
 
 
 def test_builder_refuses_other_block_sizes_and_compiles_nothing_on_cpu(make_config,
