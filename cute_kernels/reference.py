@@ -11,6 +11,11 @@ against.  It implements exactly the semantics of ``docs/contract.md``:
 * causal: new token ``i`` of request ``b`` (``q_len`` new tokens, ``L`` KV) sits at
   position ``L - q_len + i`` and attends to KV positions ``0 ..= L - q_len + i``.
 * GQA: q head ``hq`` reads KV head ``hq // (Hq // Hkv)``.
+* Optional, as vLLM's layers pass them: a sliding ``window`` of W tokens (a query at
+  position p attends ``max(0, p - W + 1) ..= p``, FlashAttention's ``window_size=(W - 1,
+  0)``); a logits soft cap (``cap * tanh(s / cap)`` on the scaled scores, before masking);
+  per-q-head attention ``sinks`` (a logit that joins the softmax denominator with a zero
+  value, as gpt-oss learns it).
 
 It runs on any device (CPU included) and never imports vLLM or the CuTe kernels.
 """
@@ -62,8 +67,14 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
                               seq_lens: torch.Tensor,
                               block_table: torch.Tensor,
                               softmax_scale: float,
-                              compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                              compute_dtype: torch.dtype = torch.float32,
+                              window: Optional[int] = None,
+                              softcap: Optional[float] = None,
+                              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal varlen paged GQA attention, computed in fp32.
+
+    ``window`` (tokens, >= 1), ``softcap`` (> 0) and ``sinks`` (``[Hq]`` logits) are the
+    optional features of the module docstring; None (or a soft cap of 0) leaves each out.
 
     Returns an fp32 tensor ``[total_q, Hq, D]`` on ``q.device``.  Rows that no
     request writes (padding rows after ``query_start_loc[-1]`` and rows of
@@ -79,6 +90,15 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_cache.shape
     g = hq // hkv
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be > 0 (0: none), got {softcap}")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be [Hq]={hq} logits, got {tuple(sinks.shape)}")
+    # sink logits per (KV head, group member), shaped to join the scores' last dim
+    sink = None if sinks is None else \
+        sinks.detach().float().to(q.device).reshape(hkv, g, 1, 1)
     qsl = _as_list(query_start_loc)
     lens = _as_list(seq_lens)
     if qsl[0] != 0:
@@ -119,9 +139,15 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
             q_pos = first_pos + torch.arange(c0, c1, device=q.device)
             # [Hkv, G, c, L]
             s = torch.einsum("hgid,hld->hgil", qb[:, :, c0:c1], k) * float(softmax_scale)
+            if softcap:
+                s = (softcap * torch.tanh(s.float() / softcap)).to(s.dtype)
             masked = kv_pos[None, :] > q_pos[:, None]  # [c, L]
-            s = s.masked_fill(masked, float("-inf"))
-            p = torch.softmax(s.float(), dim=-1).to(compute_dtype)
+            if window is not None:
+                masked |= kv_pos[None, :] <= q_pos[:, None] - window
+            s = s.masked_fill(masked, float("-inf")).float()
+            if sink is not None:  # one more logit per row, with a zero value
+                s = torch.cat([s, sink.expand(-1, -1, c1 - c0, 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :seq_len].to(compute_dtype)
             o = torch.einsum("hgil,hld->hgid", p, v)  # [Hkv, G, c, D]
             out[start + c0:start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, hq, d).float()
     return out

@@ -19,9 +19,10 @@ from plan_checks import seeded  # noqa: F401  (a fixture)
 PAGE = 64
 
 
-def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale):
+def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale, window=None,
+                    softcap=None, sinks=None):
     """Dense float64 attention: gather key by key through the block table, explicit tril
-    mask, one q head at a time."""
+    (and band) mask, one q head at a time; the sink as an explicit extra denominator term."""
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_cache.shape
     g = hq // hkv
@@ -39,11 +40,22 @@ def naive_attention(q, k_cache, v_cache, qsl, seq_lens, block_table, scale):
         k = k.repeat_interleave(g, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(g, dim=1)
         full_mask = torch.tril(torch.ones(L, L, dtype=torch.bool))
+        if window is not None:
+            full_mask &= torch.triu(torch.ones(L, L, dtype=torch.bool), -(window - 1))
         mask = full_mask[L - ql:]  # rows of the new tokens
         for h in range(hq):
             sc = (q[s:e, h].double() @ k[:, h].T) * scale
+            if softcap:
+                sc = softcap * torch.tanh(sc / softcap)
             sc = sc.masked_fill(~mask, float("-inf"))
-            out[s:e, h] = torch.softmax(sc, dim=-1) @ v[:, h]
+            m = sc.max(dim=-1, keepdim=True).values
+            if sinks is not None:
+                m = torch.maximum(m, torch.tensor(float(sinks[h]), dtype=torch.float64))
+            w = torch.exp(sc - m)
+            den = w.sum(dim=-1, keepdim=True)
+            if sinks is not None:
+                den = den + torch.exp(float(sinks[h]) - m)
+            out[s:e, h] = (w / den) @ v[:, h]
     return out
 
 
@@ -73,6 +85,53 @@ def test_reference_matches_naive(idx, dtype):
     naive = naive_attention(q, kc, vc, qsl, sl, bt, scale)
     assert torch.isfinite(ref).all()
     torch.testing.assert_close(ref.double(), naive, atol=2e-5, rtol=2e-5)
+
+
+FEATURES = [
+    # (window, softcap, sinks): each alone and as gpt-oss / Gemma 2 combine them
+    (1, None, False), (17, None, False), (64, None, False), (65, None, False),
+    (300, None, False), (None, 30.0, False), (None, None, True), (128, None, True),
+    (100, 50.0, False), (5, 2.0, True),
+]
+
+
+@pytest.mark.parametrize("window,softcap,sinks", FEATURES,
+                         ids=[f"w{w}-cap{c}-sinks{s}" for w, c, s in FEATURES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_window_softcap_and_sinks_match_naive(window, softcap, sinks, dtype, seeded):
+    """Windows below, at and above a page; the soft cap; sinks: the reference against the
+    float64 dense formulas (band mask, cap on scaled scores, sink in the denominator)."""
+    rng = seeded.rng()
+    q_lens, seq_lens = [1, 70, 0, 3, 129, 2], [1, 200, 40, 64, 129, 420]
+    hq, hkv, d = 8, 2, 64
+    q, kc, vc, qsl, sl, bt = make_paged_case(int(rng.integers(1 << 30)), q_lens, seq_lens,
+                                             hq, hkv, d, PAGE, dtype)
+    sink = torch.tensor(rng.normal(0.0, 2.0, hq), dtype=torch.float32) if sinks else None
+    scale = 0.125
+    ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale, window=window,
+                                    softcap=softcap, sinks=sink)
+    naive = naive_attention(q, kc, vc, qsl, sl, bt, scale, window=window, softcap=softcap,
+                            sinks=sink)
+    torch.testing.assert_close(ref.double(), naive, atol=2e-5, rtol=2e-5)
+    plain = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
+    assert not torch.allclose(ref, plain)  # each feature changes the answer here
+
+
+def test_features_refuse_bad_values_and_window_of_the_whole_sequence_is_plain():
+    q, kc, vc, qsl, sl, bt = make_paged_case(3, [4, 1], [4, 90], 4, 2, 64, PAGE,
+                                             torch.bfloat16)
+    args = (q, kc, vc, qsl, sl, bt, 0.125)
+    assert torch.equal(reference_paged_attention(*args, window=90),
+                       reference_paged_attention(*args))
+    # a sink of -inf weighs nothing; a soft cap of 0 means none
+    assert torch.allclose(reference_paged_attention(*args, sinks=torch.full((4,), -1e30)),
+                          reference_paged_attention(*args))
+    assert torch.equal(reference_paged_attention(*args, softcap=0.0),
+                       reference_paged_attention(*args))
+    with pytest.raises(ValueError, match="window"):
+        reference_paged_attention(*args, window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        reference_paged_attention(*args, sinks=torch.zeros(2))
 
 
 def test_reference_random_many(seeded):
