@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flat-mib", type=float, default=256.0)
     ap.add_argument("--seed", type=int, default=None, help="default: fresh, recorded")
     ap.add_argument("--startup-s", type=float, default=600.0)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds for the whole run (0: none); a phase cut short fails")
     a = ap.parse_args(argv)
 
     from ion_vllm.bench.e2e import free_port, kill_group, wait_healthy
@@ -249,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, reqs in phases.items():
             m0 = parse_metrics(get(f"http://127.0.0.1:{port}/metrics"))
             t0 = time.monotonic()
-            res = await run_phase(url, a.model, reqs, prefixes, a.concurrency, seed)
+            left = (a.time_budget - (t0 - t_start) - 20) if a.time_budget else None
+            if left is not None and left <= 0:
+                raise TimeoutError(f"--time-budget {a.time_budget:.0f}s spent before {name}")
+            res = await asyncio.wait_for(
+                run_phase(url, a.model, reqs, prefixes, a.concurrency, seed), left)
             m1 = parse_metrics(get(f"http://127.0.0.1:{port}/metrics"))
             failed = [r for r in res if not r["ok"]]
             summary.setdefault("phases", {})[name] = {

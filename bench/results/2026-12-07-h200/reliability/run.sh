@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# The reliability issue's GPU evidence, in three device calls (each under 10 minutes; one
+# The reliability issue's GPU evidence, in two device calls (each under 10 minutes; one
 # Hopper GPU, CuTeDSL + vLLM bundles, ion-vllm installed from this checkout):
 #   bash bench/results/<dir>/run.sh soak     OUT   # vllm serve + KV tier soak
-#   bash bench/results/<dir>/run.sh kernel   OUT TAG_TREE
-#   bash bench/results/<dir>/run.sh sanitize OUT
+#   bash bench/results/<dir>/run.sh kernel   OUT TAG_TREE   # tests, sweep, A/B, sanitizer
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
-# soak:     scripts/serve_soak.py on the demo model: 2000 mixed requests, then 400 under
+# soak:     scripts/serve_soak.py on the demo model: 2000 mixed requests, then 300 under
 #           memory pressure, 256 concurrent clients, 5% hang up mid-stream.
 # kernel:   the kernel, kv_append and KV-tier GPU tests (int32-offset and 10-run repeat
 #           tests among them) beside a 4000-case sweep (2000 per default path: fused
 #           writeback and kv_append), then the anchor suite of this checkout against the
-#           tag, interleaved in one process.
-# sanitize: compute-sanitizer memcheck, racecheck and synccheck over a reduced sweep and
-#           the kv_append and KV-tier GPU tests (gpu_session.sh, step sanitize).
+#           tag, interleaved in one process; then compute-sanitizer memcheck, racecheck
+#           and synccheck, side by side, over a reduced sweep and the kv_append and KV-tier
+#           GPU tests (gpu_session.sh, step sanitize) in the time left.
 set -euo pipefail
-stage=${1:?usage: run.sh soak|kernel|sanitize OUT [TAG_TREE]}
-out=${2:?usage: run.sh soak|kernel|sanitize OUT [TAG_TREE]}
+stage=${1:?usage: run.sh soak|kernel OUT [TAG_TREE]}
+out=${2:?usage: run.sh soak|kernel OUT [TAG_TREE]}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 mkdir -p "$out"
@@ -23,17 +22,15 @@ case $stage in
   soak)
     cd "$root"
     [ -f bench/demo-model/config.json ] || python3 scripts/make_demo_model.py bench/demo-model
-    exec python3 scripts/serve_soak.py --model bench/demo-model --out "$out/soak" ;;
+    exec python3 scripts/serve_soak.py --model bench/demo-model --out "$out/soak" \
+      --pressure-requests "${SOAK_PRESSURE_REQUESTS:-300}" --time-budget "${SOAK_S:-540}" ;;
   kernel)
     tag=$(cd "${3:?kernel needs TAG_TREE}" && pwd)
-    TAG_TREE=$tag SESSION_STEPS="kval kbench" KVAL_KV_TIER=1 KVAL_CASES=4000 \
+    TAG_TREE=$tag SESSION_STEPS="kval kbench sanitize" KVAL_KV_TIER=1 KVAL_CASES=4000 \
     KVAL_SWEEP_SHARDS=8 SESSION_DEADLINE_S=${SESSION_DEADLINE_S:-570} \
     KVAL_TESTS="tests/test_kernel_gpu.py tests/test_kv_append.py tests/test_kv_tier_gpu.py tests/test_gpu_sweep.py" \
     KBENCH_SUITES=anchors KBENCH_BACKENDS=tag-ion,ion,tag-ion-attn,ion-attn,fa3 \
     KBENCH_REGISTER=$here/tag_backends.py \
       exec bash "$root/scripts/gpu_session.sh" "$out/kernel" ;;
-  sanitize)
-    SESSION_STEPS=sanitize SESSION_DEADLINE_S=${SESSION_DEADLINE_S:-570} \
-      exec bash "$root/scripts/gpu_session.sh" "$out/sanitize" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
