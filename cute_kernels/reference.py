@@ -16,6 +16,9 @@ against.  It implements exactly the semantics of ``docs/contract.md``:
   0)``); a logits soft cap (``cap * tanh(s / cap)`` on the scaled scores, before masking);
   per-q-head attention ``sinks`` (a logit that joins the softmax denominator with a zero
   value, as gpt-oss learns it).
+* fp8 KV cache (vLLM's ``fp8`` = ``fp8_e4m3``): caches of ``torch.float8_e4m3fn`` with one
+  scale per tensor, ``k = k_scale * float(k_fp8)``; a new token's K is stored as
+  ``quantize_kv(k, k_scale)`` (divide, saturate to +-448, round to nearest even).
 
 It runs on any device (CPU included) and never imports vLLM or the CuTe kernels.
 """
@@ -28,7 +31,12 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 __all__ = ["reference_paged_attention", "reference_kv_append", "relative_error",
-    "written_rows_mask", "make_paged_case", "new_token_slot_mapping", "PagedCase"]
+    "written_rows_mask", "make_paged_case", "new_token_slot_mapping", "PagedCase",
+    "quantize_kv", "dequantize_kv", "FP8_KV_DTYPE", "FP8_MAX"]
+
+#: the fp8 KV-cache format (vLLM's ``fp8`` / ``fp8_e4m3``): e4m3, finite values only
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 # Upper bound on the number of fp32 score elements materialised at once per
 # request chunk (keeps 2k x 32k x 32-head prefills in a few hundred MiB).
@@ -39,6 +47,30 @@ def _as_list(t: Union[torch.Tensor, Sequence[int]]) -> list:
     if isinstance(t, torch.Tensor):
         return [int(x) for x in t.detach().cpu().tolist()]
     return [int(x) for x in t]
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x / scale`` in fp32, saturated to +-FP8_MAX, rounded to the nearest e4m3 value."""
+    if not scale > 0:
+        raise ValueError(f"KV scale must be > 0, got {scale}")
+    return (x.float() / float(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``scale * float(x)`` (exact in fp32), then cast to ``dtype``."""
+    return (x.float() * float(scale)).to(dtype)
+
+
+def _kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales a cache's values are multiplied by: (1, 1) unless it is fp8."""
+    if cache.dtype == FP8_KV_DTYPE:
+        return float(k_scale), float(v_scale)
+    if cache.dtype.is_floating_point and cache.dtype.itemsize == 1:
+        raise ValueError(f"fp8 KV caches are {FP8_KV_DTYPE} (e4m3), got {cache.dtype}")
+    if k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError(f"k_scale / v_scale apply to fp8 caches only (cache is {cache.dtype})")
+    return 1.0, 1.0
 
 
 def _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_table):
@@ -68,6 +100,7 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
                               block_table: torch.Tensor,
                               softmax_scale: float,
                               compute_dtype: torch.dtype = torch.float32,
+                              k_scale: float = 1.0, v_scale: float = 1.0,
                               window: Optional[int] = None,
                               softcap: Optional[float] = None,
                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -85,8 +118,12 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
     PyTorch does in that dtype: both products in it, the softmax in fp32 rounded back
     to it (FlashAttention's ``attention_ref(upcast=False)``).  Its error against the
     fp32 result is the yardstick a kernel's error is judged by.
+
+    fp8 caches are dequantized with ``k_scale`` / ``v_scale`` (in fp32, then cast to
+    ``compute_dtype``): the output is attention over the K/V the cache holds.
     """
     _check_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    ks, vs = _kv_scales(k_cache, k_scale, v_scale)
     total_q, hq, d = q.shape
     _, hkv, page, _ = k_cache.shape
     g = hq // hkv
@@ -123,12 +160,10 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
                              f"{bt.shape[1]}")
         pages = bt[b, :n_pages].to(device=k_cache.device, dtype=torch.long)
         # Gather logical pages -> contiguous [Hkv, L, D] (fp32).
-        k = k_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
-            hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
-                                                    dtype=compute_dtype)
-        v = v_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
-            hkv, n_pages * page, d)[:, :seq_len].to(device=q.device,
-                                                    dtype=compute_dtype)
+        k = dequantize_kv(k_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
+            hkv, n_pages * page, d)[:, :seq_len].to(q.device), ks, compute_dtype)
+        v = dequantize_kv(v_cache.index_select(0, pages).permute(1, 0, 2, 3).reshape(
+            hkv, n_pages * page, d)[:, :seq_len].to(q.device), vs, compute_dtype)
         # q rows of this request grouped per KV head: [Hkv, G, q_len, D].
         qb = q[start:end].to(compute_dtype).reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
         first_pos = seq_len - q_len
@@ -155,12 +190,15 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor,
 
 def reference_kv_append(key: torch.Tensor, value: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor) -> None:
+                        slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches in place.
 
     Token ``i`` goes to page ``slot // P``, offset ``slot % P``; negative slots
     are skipped.  Only the first ``len(slot_mapping)`` tokens are considered.
+    fp8 caches get ``quantize_kv(key, k_scale)`` / ``quantize_kv(value, v_scale)``.
     """
+    ks, vs = _kv_scales(k_cache, k_scale, v_scale)
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError("key/value must both be [T, Hkv, D]")
     _, hkv, page, d = k_cache.shape
@@ -179,8 +217,12 @@ def reference_kv_append(key: torch.Tensor, value: torch.Tensor,
         raise ValueError("slot out of range")
     pg, off = s // page, s % page
     src_idx = idx.to(key.device)
-    k_cache[pg, :, off, :] = key.index_select(0, src_idx).to(k_cache.device, k_cache.dtype)
-    v_cache[pg, :, off, :] = value.index_select(0, src_idx).to(v_cache.device, v_cache.dtype)
+    k_new = key.index_select(0, src_idx).to(k_cache.device)
+    v_new = value.index_select(0, src_idx).to(v_cache.device)
+    if k_cache.dtype == FP8_KV_DTYPE:
+        k_new, v_new = quantize_kv(k_new, ks), quantize_kv(v_new, vs)
+    k_cache[pg, :, off, :] = k_new.to(k_cache.dtype)
+    v_cache[pg, :, off, :] = v_new.to(v_cache.dtype)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor,
@@ -243,7 +285,8 @@ def make_paged_case(rng: Union[int, torch.Generator, None],
                     spare_pages: Optional[int] = None,
                     pad_rows: int = 0,
                     extra_table_cols: int = 2,
-                    rng_device: Union[str, torch.device] = "cpu") -> PagedCase:
+                    rng_device: Union[str, torch.device] = "cpu",
+                    kv_scales: Optional[tuple[float, float]] = None) -> PagedCase:
     """Random paged-attention inputs (deterministic given ``rng``).
 
     * every tensor value is ``randn`` (never zeros), generated from ``rng`` (an
@@ -256,7 +299,9 @@ def make_paged_case(rng: Union[int, torch.Generator, None],
     * block table entries past each request's last page (and ``extra_table_cols``
       extra columns) hold random *valid* page ids of other data;
     * ``pad_rows`` extra q rows after ``query_start_loc[-1]`` (belonging to no
-      request, as in a padded CUDA-graph batch).
+      request, as in a padded CUDA-graph batch);
+    * ``kv_scales=(k_scale, v_scale)``: fp8 caches holding ``quantize_kv(randn, scale)``
+      (a scale under 1/100 also saturates a few values); q stays ``dtype``.
     """
     q_lens = [int(x) for x in q_lens]
     seq_lens = [int(x) for x in seq_lens]
@@ -290,9 +335,14 @@ def make_paged_case(rng: Union[int, torch.Generator, None],
     q = torch.randn(total_q, Hq, D, generator=gen, dtype=torch.float32,
                     device=gdev).to(dtype)
     k_cache = torch.randn(num_blocks, Hkv, page, D, generator=gen,
-                          dtype=torch.float32, device=gdev).to(dtype)
+                          dtype=torch.float32, device=gdev)
     v_cache = torch.randn(num_blocks, Hkv, page, D, generator=gen,
-                          dtype=torch.float32, device=gdev).to(dtype)
+                          dtype=torch.float32, device=gdev)
+    if kv_scales is None:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    else:
+        k_cache = quantize_kv(k_cache, kv_scales[0])
+        v_cache = quantize_kv(v_cache, kv_scales[1])
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0).to(torch.int32)
     return PagedCase(q.to(device), k_cache.to(device), v_cache.to(device),

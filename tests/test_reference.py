@@ -7,8 +7,12 @@ import pytest
 import torch
 
 from cute_kernels.reference import (
+    FP8_KV_DTYPE,
+    FP8_MAX,
+    dequantize_kv,
     make_paged_case,
     new_token_slot_mapping,
+    quantize_kv,
     reference_kv_append,
     reference_paged_attention,
     relative_error,
@@ -343,3 +347,74 @@ def test_contract_violation_raises():
     q, kc, vc, qsl, sl, bt = make_paged_case(14, [4], [10], 4, 1, 64, PAGE)
     with pytest.raises(ValueError):
         reference_paged_attention(q, kc, vc, qsl, torch.tensor([3], dtype=torch.int32), bt, 0.1)
+
+
+FP8_SCALES = [(1.0, 1.0), (1 / 128, 1 / 100), (0.0173, 2.0)]
+
+
+@pytest.mark.parametrize("scales", FP8_SCALES)
+def test_fp8_cache_is_attention_over_its_dequantized_values(seeded, scales):
+    """An fp8 case equals the fp32 reference over the dequantized cache, bit for bit, and
+    the naive float64 attention over it to fp32 rounding."""
+    q_lens, seq_lens = [1, 37, 0, 130], [700, 37, 5, 200]
+    case = make_paged_case(seeded.value, q_lens, seq_lens, 8, 2, 64, kv_scales=scales)
+    q, kc, vc, qsl, sl, bt = case
+    assert kc.dtype == vc.dtype == FP8_KV_DTYPE
+    ks, vs = scales
+    out = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125, k_scale=ks, v_scale=vs)
+    kd, vd = dequantize_kv(kc, ks), dequantize_kv(vc, vs)
+    assert torch.equal(out, reference_paged_attention(q, kd, vd, qsl, sl, bt, 0.125))
+    ref = naive_attention(q, kd, vd, qsl, sl, bt, 0.125)
+    assert (out.double() - ref).abs().max().item() < 1e-4
+    # the scales matter: the same bytes read with other scales give another answer
+    other = reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125, k_scale=2 * ks,
+                                      v_scale=vs)
+    assert relative_error(other, out) > 1e-2
+
+
+def test_quantize_kv_rounds_saturates_and_round_trips():
+    x = torch.tensor([0.0, 1.0, -1.0, 1.0625, 1.1875, 500.0, -1e9, 2.0 ** -9, 3.3])
+    q8 = quantize_kv(x, 1.0)
+    assert q8.dtype == FP8_KV_DTYPE
+    # 1.0625 is a tie between 1.0 and 1.125: to even (1.0); 1.1875 ties 1.125 / 1.25 -> 1.25
+    assert q8.float().tolist() == [0.0, 1.0, -1.0, 1.0, 1.25, FP8_MAX, -FP8_MAX, 2.0 ** -9, 3.25]
+    g = torch.Generator().manual_seed(5)
+    for scale in (1.0, 1 / 64, 3.7):
+        x = torch.randn(4096, generator=g) * 100 * scale
+        back = dequantize_kv(quantize_kv(x, scale), scale)
+        inside = x.abs() <= FP8_MAX * scale
+        tiny = x.abs() < 2.0 ** -6 * scale  # e4m3 subnormals: absolute step 2^-9
+        rel = ((back - x).abs() / x.abs())[inside & ~tiny]
+        assert rel.max().item() <= 2.0 ** -4 + 1e-7  # half of e4m3's 2^-3 spacing
+        assert torch.all(back[~inside].abs() == FP8_MAX * scale)
+    with pytest.raises(ValueError, match="> 0"):
+        quantize_kv(x, 0.0)
+
+
+def test_kv_append_quantizes_into_fp8_caches(seeded):
+    q_lens, seq_lens = [3, 1], [67, 129]
+    _, kc, vc, qsl, sl, bt = make_paged_case(seeded.value, q_lens, seq_lens, 4, 2, 64,
+                                              kv_scales=(0.02, 0.05))
+    g = torch.Generator().manual_seed(seeded.value)
+    key, value = torch.randn(2, 4, 2, 64, generator=g).to(torch.bfloat16)
+    slots = new_token_slot_mapping(qsl, sl, bt, PAGE)
+    k0, v0 = kc.clone(), vc.clone()
+    reference_kv_append(key, value, kc, vc, slots, k_scale=0.02, v_scale=0.05)
+    pg, off = slots // PAGE, slots % PAGE
+    assert torch.equal(kc[pg, :, off].view(torch.uint8),
+                       quantize_kv(key, 0.02).view(torch.uint8))
+    assert torch.equal(vc[pg, :, off].view(torch.uint8),
+                       quantize_kv(value, 0.05).view(torch.uint8))
+    untouched = torch.ones(kc.shape[0], PAGE, dtype=torch.bool)
+    untouched[pg, off] = False
+    assert torch.equal(kc.permute(0, 2, 1, 3)[untouched].view(torch.uint8),
+                       k0.permute(0, 2, 1, 3)[untouched].view(torch.uint8))
+
+
+def test_scales_need_an_fp8_cache_and_e5m2_is_refused():
+    q, kc, vc, qsl, sl, bt = make_paged_case(1, [1], [10], 2, 1, 64)
+    with pytest.raises(ValueError, match="fp8 caches only"):
+        reference_paged_attention(q, kc, vc, qsl, sl, bt, 0.125, k_scale=0.5)
+    e5 = kc.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="e4m3"):
+        reference_paged_attention(q, e5, e5, qsl, sl, bt, 0.125)
