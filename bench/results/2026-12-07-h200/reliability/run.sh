@@ -6,12 +6,13 @@
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
 # soak:     scripts/serve_soak.py on the demo model: 2000 mixed requests, then 300 under
 #           memory pressure, 256 concurrent clients, 5% hang up mid-stream.
-# kernel:   the kernel, kv_append and KV-tier GPU tests (int32-offset and 10-run repeat
-#           tests among them) beside a 4000-case sweep (2000 per default path: fused
-#           writeback and kv_append), then the anchor suite of this checkout against the
+# kernel:   the int32-offset and 10-run repeat kernel tests, the kv_append and KV-tier GPU
+#           tests, beside a 4000-case sweep (2000 per default path: fused writeback and
+#           kv_append), then the anchor suite of this checkout against the
 #           tag, interleaved in one process; then compute-sanitizer memcheck, racecheck
 #           and synccheck, side by side, over a reduced sweep and the kv_append and KV-tier
-#           GPU tests (gpu_session.sh, step sanitize) in the time left.
+#           GPU tests (gpu_session.sh, step sanitize; 48 sweep cases: every G, head size,
+#           path and tile size) in the time left.
 set -euo pipefail
 stage=${1:?usage: run.sh soak|kernel OUT [TAG_TREE]}
 out=${2:?usage: run.sh soak|kernel OUT [TAG_TREE]}
@@ -28,7 +29,8 @@ case $stage in
     tag=$(cd "${3:?kernel needs TAG_TREE}" && pwd)
     TAG_TREE=$tag SESSION_STEPS="kval kbench sanitize" KVAL_KV_TIER=1 KVAL_CASES=4000 \
     KVAL_SWEEP_SHARDS=8 SESSION_DEADLINE_S=${SESSION_DEADLINE_S:-570} \
-    KVAL_TESTS="tests/test_kernel_gpu.py tests/test_kv_append.py tests/test_kv_tier_gpu.py tests/test_gpu_sweep.py" \
+    KVAL_TESTS="tests/test_kernel_gpu.py::test_cache_past_int32_offsets tests/test_kernel_gpu.py::test_split_kv_repeats_bit_identically tests/test_kv_append.py tests/test_kv_tier_gpu.py" \
+    SANITIZE_CASES=${SANITIZE_CASES:-48} \
     KBENCH_SUITES=anchors KBENCH_BACKENDS=tag-ion,ion,tag-ion-attn,ion-attn,fa3 \
     KBENCH_REGISTER=$here/tag_backends.py \
       exec bash "$root/scripts/gpu_session.sh" "$out/kernel" ;;
