@@ -155,17 +155,20 @@ class KVModel:
     """Per-layer tensors in one of the supported layouts + block (de)serializing."""
 
     def __init__(self, layout: str, num_blocks: int, num_layers: int = 2, hkv: int = 2,
-                 page: int = 4, dim: int = 8, device: str = "cpu", seed: int = 0):
-        self.layout, self.nb = layout, num_blocks
+                 page: int = 4, dim: int = 8, device: str = "cpu", seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
+        """``dtype``: the cache's element type; ``torch.uint8`` is how vLLM allocates an
+        fp8 KV cache (the backends view it as e4m3)."""
+        self.layout, self.nb, self.dtype = layout, num_blocks, dtype
         self.shape_blk = (hkv, page, dim) if layout == "ion" else (page, hkv, dim)
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.gen = g
         self.layers = []
         for _ in range(num_layers):
             if layout == "ion":
-                t = torch.zeros((num_blocks, 2, hkv, page, dim), dtype=torch.bfloat16)
+                t = torch.zeros((num_blocks, 2, hkv, page, dim), dtype=dtype)
             else:
-                t = torch.zeros((2, num_blocks, page, hkv, dim), dtype=torch.bfloat16)
+                t = torch.zeros((2, num_blocks, page, hkv, dim), dtype=dtype)
             self.layers.append(t.to(device))
         self.canonical = canonicalize_layer_caches(self.layers, num_blocks)
 
@@ -175,7 +178,11 @@ class KVModel:
     def random_block(self) -> list[torch.Tensor]:
         out = []
         for _ in self.layers:
-            kv = torch.randn((2, *self.shape_blk), generator=self.gen).to(torch.bfloat16)
+            if self.dtype == torch.uint8:  # every byte pattern, as e4m3 codes
+                kv = torch.randint(0, 256, (2, *self.shape_blk), generator=self.gen,
+                                   dtype=torch.uint8)
+            else:
+                kv = torch.randn((2, *self.shape_blk), generator=self.gen).to(self.dtype)
             out.append(kv)
         return out
 
@@ -188,14 +195,14 @@ class KVModel:
     def scrub(self, b: int) -> None:
         for t in self.layers:
             k, v = self._kv(t, b)
-            k.fill_(float("nan"))
-            v.fill_(-7.0)
+            k.fill_(0x7F if self.dtype == torch.uint8 else float("nan"))
+            v.fill_(0xC0 if self.dtype == torch.uint8 else -7.0)
 
     def equal(self, b: int, data: list[torch.Tensor]) -> bool:
         for t, kv in zip(self.layers, data):
             k, v = self._kv(t, b)
-            if not (torch.equal(k.cpu().view(torch.int16), kv[0].view(torch.int16))
-                    and torch.equal(v.cpu().view(torch.int16), kv[1].view(torch.int16))):
+            if not (torch.equal(k.cpu().view(torch.uint8), kv[0].view(torch.uint8))
+                    and torch.equal(v.cpu().view(torch.uint8), kv[1].view(torch.uint8))):
                 return False
         return True
 

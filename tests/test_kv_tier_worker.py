@@ -261,3 +261,21 @@ def test_vllm_s_connector_reports_what_the_ion_worker_failed():
     assert conn.get_block_ids_with_load_errors() == set()
     conn.connector_worker = SimpleNamespace(worker=object())  # another spec's worker
     assert conn.get_block_ids_with_load_errors() == set()
+
+
+@pytest.mark.parametrize("layout", ["ion", "kv_first"])
+@pytest.mark.parametrize("ring_slots", [8, 0], ids=["ring", "spill"])
+def test_fp8_cache_blocks_are_half_the_size_and_restore_byte_exact(layout, ring_slots,
+                                                                 fresh_seed):
+    """An fp8 KV cache (vLLM allocates it as uint8 and views it as e4m3): the tier moves
+    bytes, so a host block is half a bf16 block and every byte pattern comes back."""
+    import torch
+
+    fp8 = KVModel(layout, 24, seed=fresh_seed, dtype=torch.uint8)
+    bf16 = KVModel(layout, 24, seed=fresh_seed)
+    slot = sum(c.page_size_bytes for c in fp8.canonical.tensors)
+    assert 2 * slot == sum(c.page_size_bytes for c in bf16.canonical.tensors)
+    rt = SimRuntime()
+    w = make_worker(fp8.canonical, 16, ring_slots * slot, runtime=rt)
+    assert w.slot_bytes == slot and w.host.shape == (16, slot)
+    _roundtrip(fp8, rt, w, [1, 2, 3, 9], [4, 5, 6, 7], job=1)
