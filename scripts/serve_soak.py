@@ -5,8 +5,9 @@ Usage (on the GPU host, project installed):
   python3 scripts/serve_soak.py --model bench/demo-model --out OUT [--requests 2000]
 
 One server (dummy weights, ``--attention-backend ION``, the Ion KV tier with
-``kv_load_failure_policy: recompute``, a KV pool of ``--gpu-blocks`` blocks) and two phases
-of streaming ``/v1/completions`` clients at ``--concurrency``:
+``kv_load_failure_policy: recompute``, a KV pool of ``--gpu-blocks`` blocks) and
+``--rounds`` rounds of two phases of streaming ``/v1/completions`` clients at
+``--concurrency``:
 
 1. ``mixed``: ``--requests`` requests of mixed prompt and output lengths over shared
    prefixes (prefix hits on the GPU and from the host tier);
@@ -18,8 +19,9 @@ after a few streamed chunks.  Measured: failed requests (other than the disconne
 server log lines at ERROR level or with a traceback, the server's host RSS (its whole
 process tree) and GPU memory sampled every ``--sample-s`` seconds, and vLLM's and the
 tier's Prometheus counters.  The run passes when no request fails, the log has no error,
-and host and GPU memory of the last minute are within ``--flat-mib`` of the first
-minute's.  Everything lands in OUT/summary.json (and OUT/serve.log, OUT/samples.jsonl).
+the run spans at least ``MIN_SPAN_S`` (so its first and last minute are apart), and host and
+GPU memory of the last minute are within ``--flat-mib`` of the first minute's.  Everything
+lands in OUT/summary.json (and OUT/serve.log, OUT/samples.jsonl, OUT/<phase>.jsonl).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pathlib import Path
 VOCAB = 150000  # token ids below the demo tokenizer's special tokens
 #: a server log line that counts as an error
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|CUDA error|"
-                        r"EngineCore.*(died|failed)|Segmentation fault")
+                        r"EngineCore\b.*\b(died|failed)\b|Segmentation fault")
 #: Prometheus counters reported (name -> summed value over label sets)
 METRICS = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
            "vllm:generation_tokens_total", "vllm:request_success_total",
@@ -84,6 +86,10 @@ def parse_metrics(text: str) -> dict[str, float]:
             except ValueError:
                 pass
     return out
+
+
+#: a memory judgement needs a first and a last minute that do not overlap, and time between
+MIN_SPAN_S = 150.0
 
 
 def flatness(samples: list[dict], key: str, window_s: float = 60.0) -> dict:
@@ -195,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--pressure-requests", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="mixed + pressure rounds: memory is judged over the whole run, "
+                         "which must span >= MIN_SPAN_S")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--disconnect", type=float, default=0.05)
     ap.add_argument("--gpu-blocks", type=int, default=4096, help="KV pool, 64-token blocks")
@@ -218,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.choice([256, 512, 1024, 2048]))]
                 for _ in range(16)]
-    phases = {
-        "mixed": plan_phase(rng, a.requests, len(prefixes), (16, 1024), (16, 256),
-                            a.disconnect),
-        "pressure": plan_phase(rng, a.pressure_requests, len(prefixes), (2048, 4096),
-                               (128, 384), a.disconnect),
-    }
+    phases = {}
+    for r in range(a.rounds):  # each round: the mixed phase, then the pressure phase
+        sfx = f"-{r + 1}" if a.rounds > 1 else ""
+        phases["mixed" + sfx] = plan_phase(rng, a.requests, len(prefixes), (16, 1024),
+                                           (16, 256), a.disconnect)
+        phases["pressure" + sfx] = plan_phase(rng, a.pressure_requests, len(prefixes),
+                                              (2048, 4096), (128, 384), a.disconnect)
     port = free_port()
     cmd = server_cmd(a, port)
     log_path = out / "serve.log"
@@ -292,17 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         summary["host_rss"] = flatness(samples, "rss_mib")
         summary["gpu_memory"] = flatness(samples, "gpu_mib")
     ph = summary.get("phases", {})
+    span = summary.get("host_rss", {}).get("span_s", 0.0)
     checks = {
-        "no_failed_requests": len(ph) == 2 and all(p["failed"] == 0 for p in ph.values()),
+        "no_failed_requests": len(ph) == len(phases) and all(p["failed"] == 0
+                                                             for p in ph.values()),
+        "long_enough_to_judge_memory": span >= MIN_SPAN_S,
         "no_server_errors": not errs,
         "server_survived": summary.get("server_alive_at_end", False),
         "host_memory_flat": abs(summary.get("host_rss", {}).get("growth_mib", 1e9))
         <= a.flat_mib,
         "gpu_memory_flat": abs(summary.get("gpu_memory", {}).get("growth_mib", 1e9))
         <= a.flat_mib,
-        "preempted_and_restored": "pressure" in ph
-        and ph["pressure"]["metrics_delta"]["vllm:num_preemptions_total"] > 0
-        and ph["pressure"]["metrics_delta"]["vllm:ion_kv_tier_loaded_blocks_total"] > 0,
+        "preempted_and_restored": any(
+            n.startswith("pressure") and p["metrics_delta"]["vllm:num_preemptions_total"] > 0
+            and p["metrics_delta"]["vllm:ion_kv_tier_loaded_blocks_total"] > 0
+            for n, p in ph.items()),
     }
     summary["checks"] = checks
     summary["passed"] = all(checks.values())

@@ -34,6 +34,11 @@ def pytest_report_header(config):
     return f"seed: {SESSION_SEED} (replay with PYTEST_SEED={SESSION_SEED})"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # -q hides the header: the seed is repeated at the end, so every log records it
+    terminalreporter.write_line(f"seed: {SESSION_SEED} (replay with PYTEST_SEED={SESSION_SEED})")
+
+
 @pytest.fixture
 def seed(request) -> int:
     """The session seed mixed with the test's id: fresh every session, replayable, and

@@ -51,6 +51,7 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     for tool in ("memcheck", "racecheck"):
         sweep, tests = _cmd(steps, f"san-{tool}-sweep"), _cmd(steps, f"san-{tool}-tests")
         assert sweep.startswith(f"compute-sanitizer --tool {tool} --error-exitcode 99")
+        assert "--report-api-errors no --kernel-name-exclude kns=nvjet" in sweep
         assert "gpu_sweep.py --cases 5 --seed" in sweep and "--max-kv-tokens 4096" in sweep
         assert f"{tmp_path / 'out' / 'sanitize' / tool}-tests.log" in tests
         assert tests.endswith("tests/test_kv_append.py tests/test_kv_tier_gpu.py")
