@@ -57,13 +57,13 @@ from vllm.v1.kv_offload.base import (
 
 from ion_vllm.kv_tier import page_gather
 from ion_vllm.kv_tier.config import KVTierConfig
-from ion_vllm.kv_tier.host_pool import HostPool
 from ion_vllm.kv_tier.copies import (
     BatchCopier,
     TorchCopier,
     batch_copier_available,
     group_runs,
 )
+from ion_vllm.kv_tier.host_pool import HostPool
 from ion_vllm.kv_tier.runtime import CudaRuntime, SimRuntime
 from ion_vllm.kv_tier.staging_ring import StagingRing
 from ion_vllm.kv_tier.stats import PROCESS_COUNTERS, WorkerStats
@@ -84,7 +84,6 @@ class _Piece:
     end: Any  # event: the bytes are on the host
     fp: FpBatch | None = None  # verify mode: fingerprints of the source blocks
     src_start: Any = None  # ring piece: event before its gather
-    failed: bool = False  # a copy of this piece could not be issued
 
 
 @dataclass
@@ -220,7 +219,8 @@ class IonKVTierWorker(OffloadingWorker):
         job = _StoreJob(job_id, groups, gpu, host, self._nbytes(groups))
         self._stores[job_id] = job
         self.stats.store_jobs += 1
-        self._bad_host.difference_update(host.tolist())  # rewritten now
+        if self._bad_host:  # rewritten now
+            self._bad_host.difference_update(host.tolist())
         self._reclaim()
         while job.next_item < job.n:
             run = self.ring.alloc.alloc(job.n - job.next_item)
@@ -254,7 +254,8 @@ class IonKVTierWorker(OffloadingWorker):
                          lambda: self.copier.drain(ring, start, self.host, hids))
         ev1 = rt.record(self._drain)
         p = _Piece(job, a, count, (start, count), read_done, ev0, ev1, fp, src_start)
-        self._piece_issued(p, ok)
+        if not ok:
+            self._store_failed(hids)
         job.pieces.append(p)
         job.next_item = b
         self._ring_pieces.append(p)
@@ -282,9 +283,9 @@ class IonKVTierWorker(OffloadingWorker):
         ev1 = rt.record(stream)
         if fp is not None:
             fp.event = ev1
-        p = _Piece(job, a, b - a, None, ev1, ev0, ev1, fp)
-        self._piece_issued(p, ok)
-        job.pieces.append(p)
+        if not ok:
+            self._store_failed(job.host[a:b])
+        job.pieces.append(_Piece(job, a, b - a, None, ev1, ev0, ev1, fp))
         for h in job.host[a:b].tolist():
             self._host_pending[h] = ev1
         job.next_item = b
@@ -304,14 +305,11 @@ class IonKVTierWorker(OffloadingWorker):
             return False
         return True
 
-    def _piece_issued(self, p: _Piece, ok: bool) -> None:
+    def _store_failed(self, host_ids: np.ndarray) -> None:
         """A store piece whose copy failed leaves its host blocks bad until rewritten: a
         load of them is reported invalid."""
-        if not ok:
-            p.failed = True
-            hids = p.job.host[p.first:p.first + p.count].tolist()
-            self._bad_host.update(hids)
-            self.stats.failed_store_blocks += len(hids)
+        self._bad_host.update(host_ids.tolist())
+        self.stats.failed_store_blocks += len(host_ids)
 
     def _fingerprint_store(self, stream: Any, job: _StoreJob, a: int,
                            b: int) -> FpBatch | None:
@@ -371,7 +369,8 @@ class IonKVTierWorker(OffloadingWorker):
         # no rt.wait_current(stream): see "Load" in the module docstring
         self.stats.loads_ordered_after_drain += self._after_pending_writes(stream, host)
         ev0 = rt.record(stream)
-        bad = {k for k, h in enumerate(host.tolist()) if h in self._bad_host}
+        bad = ({k for k, h in enumerate(host.tolist()) if h in self._bad_host}
+               if self._bad_host else set())
         for g, i0, i1 in group_runs(groups, 0, len(gpu)):
             hids, gids = host[i0:i1], gpu[i0:i1]
             if not self._copy(stream, lambda g=g, hids=hids, gids=gids:

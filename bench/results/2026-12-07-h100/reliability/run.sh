@@ -34,7 +34,7 @@ case $stage in
     KVAL_SWEEP_SHARDS=8 SESSION_DEADLINE_S=${SESSION_DEADLINE_S:-570} \
     KVAL_TESTS="tests/test_kernel_gpu.py::test_cache_past_int32_offsets tests/test_kernel_gpu.py::test_split_kv_repeats_bit_identically tests/test_kv_append.py tests/test_kv_tier_gpu.py" \
     KBENCH_SUITES=anchors KBENCH_BACKENDS=tag-ion,ion,tag-ion-attn,ion-attn,fa3 \
-    KBENCH_REGISTER=$here/tag_backends.py \
+    KBENCH_REGISTER=$here/../consolidation/tag_backends.py \
       bash "$root/scripts/gpu_session.sh" "$out/kernel" ;;
   sanitize)
     SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-48} \
