@@ -52,35 +52,6 @@ def skip_chunks_without_gpu_blocks(req_status: Any, blocks_per_chunk: int) -> in
     return skipped
 
 
-def install_abort_guard() -> bool:
-    """Wrap vLLM's ``OffloadingConnectorScheduler.request_finished`` with the guard (module
-    docstring).  Idempotent; returns whether this call installed it."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        OffloadingConnectorScheduler as cls)
-
-    orig = cls.request_finished
-    if getattr(orig, _MARK, False):
-        return False
-
-    def request_finished(self, request):
-        out = orig(self, request)
-        st = self._req_status.get(request.request_id)
-        if st is not None:
-            n = skip_chunks_without_gpu_blocks(st, self.config.blocks_per_chunk)
-            if n:
-                logger.info("Ion KV tier: request %s finished while waiting; %d chunk(s) "
-                            "without GPU blocks are not stored", request.request_id, n)
-        return out
-
-    setattr(request_finished, _MARK, True)
-    request_finished.__wrapped__ = orig  # type: ignore[attr-defined]
-    request_finished.__doc__ = orig.__doc__
-    cls.request_finished = request_finished  # type: ignore[method-assign]
-    logger.info("Ion KV tier: guard installed on OffloadingConnectorScheduler."
-                "request_finished (abort of a waiting request)")
-    return True
-
-
 def _wrap(cls: Any, name: str, make) -> bool:
     """Replace ``cls.name`` by ``make(original)`` once (marked); False if already done."""
     orig = getattr(cls, name)
@@ -91,6 +62,32 @@ def _wrap(cls: Any, name: str, make) -> bool:
     fn.__wrapped__ = orig  # type: ignore[attr-defined]
     fn.__doc__ = orig.__doc__
     setattr(cls, name, fn)
+    return True
+
+
+def install_abort_guard() -> bool:
+    """Wrap vLLM's ``OffloadingConnectorScheduler.request_finished`` with the guard (module
+    docstring).  Idempotent; returns whether this call installed it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler)
+
+    def make(orig):
+        def request_finished(self, request):
+            out = orig(self, request)
+            st = self._req_status.get(request.request_id)
+            if st is not None:
+                n = skip_chunks_without_gpu_blocks(st, self.config.blocks_per_chunk)
+                if n:
+                    logger.info("Ion KV tier: request %s finished while waiting; %d "
+                                "chunk(s) without GPU blocks are not stored",
+                                request.request_id, n)
+            return out
+        return request_finished
+
+    if not _wrap(OffloadingConnectorScheduler, "request_finished", make):
+        return False
+    logger.info("Ion KV tier: guard installed on OffloadingConnectorScheduler."
+                "request_finished (abort of a waiting request)")
     return True
 
 
