@@ -223,7 +223,7 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         raise ValueError(f"head_dim must be 64 or 128 and equal in q and cache, got {D}/{Dk}")
     if Hq % Hkv != 0:
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
-    group_pad_for(Hq // Hkv)  # refuses ratios past 8
+    group_pad_for(Hq // Hkv)  # refuses ratios past MAX_GROUP
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tma_operand(name, t)
     if k_cache.stride(2) != D or v_cache.stride(2) != D:

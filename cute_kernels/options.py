@@ -13,10 +13,10 @@ from dataclasses import dataclass
 PAGE_SIZE = 64
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_GROUP_PADS = (1, 2, 4, 8)
+SUPPORTED_GROUP_PADS = (1, 2, 4, 8, 16)
 #: q-tile rows: 64 per consumer warpgroup (one, two or three of them)
 SUPPORTED_TILE_M = (64, 128, 192)
-MAX_GROUP = 8
+MAX_GROUP = 16
 #: MMA rows of one consumer warpgroup's q tile (the wgmma M dimension)
 WARPGROUP_ROWS = 64
 

@@ -24,7 +24,7 @@
 #            are rebuilt into results (--from-repeats)
 #   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
 #   sanitize compute-sanitizer, one run per tool (SANITIZE_TOOLS: memcheck racecheck
-#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 96:
+#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 144:
 #            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
 #            combine every 4th case) and over the kv_append and KV-tier GPU tests (the
 #            gather/drain kernels); torch's caching allocator off, so memcheck sees each
@@ -195,7 +195,7 @@ if want sanitize; then
          --report-api-errors no --kernel-name-exclude kns=nvjet)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
-      --cases "${SANITIZE_CASES:-96}" --seed "$seed" --max-kv-tokens 4096 --quiet \
+      --cases "${SANITIZE_CASES:-144}" --seed "$seed" --max-kv-tokens 4096 --quiet \
       --out "$out/sanitize/$tool-sweep" &
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \

@@ -50,8 +50,10 @@ if ROOT not in sys.path:
 PAGE = 64
 MAX_KV = 32768
 MAX_CHUNK = 2048
-GQA_RATIOS = (1, 4, 7, 8)
+GQA_RATIOS = (1, 4, 7, 8, 12, 16)
 HEAD_DIMS = (64, 128)
+#: cases over which every (GQA ratio, head size) pair comes once
+CYCLE = len(GQA_RATIOS) * len(HEAD_DIMS)
 DEFAULT_CASES = 1000
 DEFAULT_MAX_KV_TOKENS = 65536
 ATOL = 1e-4
@@ -262,9 +264,10 @@ FORCED_SPLIT = dict(item_overhead_us=0.01, split_item_overhead_us=0.0, combine_l
 
 def case_path(case: SweepCase) -> tuple[str, int]:
     """(layer path, q-tile rows) of a case: fused / append alternate, tiles rotate."""
-    # GQA ratio and head size cycle over index % 8 (make_case): every 48 cases hold each
-    # (ratio, head size, path, tile size) combination once
-    return PATHS[(case.index // 8) % 2], TILE_MS[(case.index // 16) % len(TILE_MS)]
+    # GQA ratio and head size cycle over index % CYCLE (make_case): every
+    # CYCLE * 2 * len(TILE_MS) cases hold each (ratio, head size, path, tile size) once
+    return (PATHS[(case.index // CYCLE) % 2],
+            TILE_MS[(case.index // (2 * CYCLE)) % len(TILE_MS)])
 
 
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,

@@ -44,7 +44,7 @@ def test_kernel_options_defaults_and_key():
     ("head_dim", 96, ValueError, "head sizes"),
     ("head_dim", 256, ValueError, "head sizes"),
     ("group_pad", 3, ValueError, "group_pad"),
-    ("group_pad", 16, ValueError, "group_pad"),
+    ("group_pad", 32, ValueError, "group_pad"),
     ("tile_m", 96, ValueError, "tile_m"),
     ("tile_m", 256, ValueError, "tile_m"),
 ])
@@ -58,10 +58,10 @@ def test_for_layer_pads_the_gqa_group():
     assert KernelOptions.for_layer("float16", 64, 32, 32, 192, True) == KernelOptions(
         "float16", 64, 1, 192, True)
     assert KernelOptions.for_layer("torch.bfloat16", 128, 12, 4).group_pad == 4
-    assert [group_pad_for(g) for g in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [group_pad_for(g) for g in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
     assert dtype_name(torch.float16) == "float16"
     with pytest.raises(ValueError, match="GQA ratios"):
-        KernelOptions.for_layer(torch.bfloat16, 128, 36, 4)  # G = 9
+        KernelOptions.for_layer(torch.bfloat16, 128, 68, 4)  # G = 17
     with pytest.raises(ValueError, match="multiple"):
         KernelOptions.for_layer(torch.bfloat16, 128, 30, 4)
     with pytest.raises(ValueError, match="multiple"):
@@ -74,11 +74,11 @@ def test_for_layer_pads_the_gqa_group():
 
 def test_all_kernel_options_is_every_combination_once():
     opts = all_kernel_options()
-    assert len(opts) == 96 == len(set(opts))
+    assert len(opts) == 120 == len(set(opts))
     assert {(o.dtype, o.head_dim, o.group_pad, o.tile_m, o.fresh_kv) for o in opts} == {
         (dt, d, gp, tm, fr) for dt in ("bfloat16", "float16") for d in (64, 128)
-        for gp in (1, 2, 4, 8) for tm in (64, 128, 192) for fr in (False, True)}
-    assert len({o.combine_key for o in opts}) == 16
+        for gp in (1, 2, 4, 8, 16) for tm in (64, 128, 192) for fr in (False, True)}
+    assert len({o.combine_key for o in opts}) == 20
 
 
 #: (producer, consumer) registers after setmaxnreg, as ``KernelOptions.registers`` says:

@@ -36,8 +36,8 @@ REL_TOL = 1e-2  # relative L2, kept beside the per-element bar
 CHEAP_SPLITS = CostModel(item_overhead_us=0.01, split_item_overhead_us=0.0,
                          combine_launch_us=0.0)
 
-#: (Hq, Hkv): GQA ratios 1, 2, 3 (padded to 4), 7 (padded to 8) and 8
-HEADS = [(4, 4), (8, 4), (6, 2), (28, 4), (32, 4)]
+#: (Hq, Hkv): GQA ratios 1, 2, 3 (padded to 4), 7 (padded to 8), 8, 12 (padded to 16), 16
+HEADS = [(4, 4), (8, 4), (6, 2), (28, 4), (32, 4), (24, 2), (32, 2)]
 
 
 def _shape(name: str, rng: torch.Generator):

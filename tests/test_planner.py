@@ -304,7 +304,7 @@ def test_random_large_batches_balance(seeded):
         q = np.where(decode, 1, rng.integers(0, 2048, nb))
         sl = q + rng.integers(0, 65536, nb) * (rng.random(nb) < 0.9)
         kw = dict(num_kv_heads=int(rng.choice([1, 2, 4, 8])),
-                  group_size=int(rng.choice([1, 4, 7, 8])),
+                  group_size=int(rng.choice([1, 4, 7, 8, 12, 16])),
                   num_ctas=int(rng.choice([66, 132, 264])), tile_m=int(rng.choice(TILE_MS)),
                   fresh_kv=bool(rng.integers(0, 2)), unpacked_prefill=bool(rng.integers(0, 2)))
         with seeded.case(nb=nb, kw=kw):

@@ -142,7 +142,7 @@ def test_reference_random_many(seeded):
     rng = seeded.rng()
     for i in range(15):
         hkv = int(rng.integers(1, 5))
-        g = int(rng.choice([1, 4, 7, 8]))
+        g = int(rng.choice([1, 4, 7, 8, 16]))
         d = int(rng.choice([64, 128]))
         q_lens, seq_lens = [], []
         for _ in range(int(rng.integers(1, 6))):

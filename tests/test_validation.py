@@ -89,8 +89,8 @@ def test_backend_validate_configuration_matches_vllm_selector_signature():
 GOOD_LAYER = dict(num_heads=28, num_kv_heads=4, head_size=128)
 
 BAD_LAYER = [
-    (dict(num_heads=40, num_kv_heads=4), "GQA ratio 10"),
-    (dict(num_heads=64, num_kv_heads=4), "GQA ratio 16"),
+    (dict(num_heads=68, num_kv_heads=4), "GQA ratio 17"),
+    (dict(num_heads=128, num_kv_heads=4), "GQA ratio 32"),
     (dict(num_heads=30, num_kv_heads=4), "not a multiple"),
     (dict(head_size=80), "head size 80"),
     (dict(alibi_slopes=[0.5] * 28), "ALiBi"),
@@ -126,8 +126,8 @@ def test_rules_follow_the_kernel_options():
     assert validation.SUPPORTED_HEAD_SIZES == options.SUPPORTED_HEAD_DIMS == (64, 128)
     assert validation.SUPPORTED_DTYPES == options.SUPPORTED_DTYPES == ("bfloat16", "float16")
     assert validation.KERNEL_BLOCK_SIZE == options.PAGE_SIZE == 64
-    assert validation.MAX_GQA_RATIO == options.MAX_GROUP == 8
-    for g in range(1, 9):  # every ratio the rules accept has a kernel group pad
+    assert validation.MAX_GQA_RATIO == options.MAX_GROUP == 16
+    for g in range(1, 17):  # every ratio the rules accept has a kernel group pad
         assert validation.gqa_reason(4 * g, 4) is None
         options.group_pad_for(g)
 
