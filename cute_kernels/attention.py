@@ -32,7 +32,8 @@ def _cutlass_dtype(dtype: str):
 def _fake_args(options: KernelOptions):
     """Fake tensors with symbolic sizes matching the kernel's runtime contract: q, k_cache,
     v_cache, out, query_start_loc, seq_lens, block_table, work, cta_offsets,
-    partial_offsets, partial_o, partial_lse, group_size, scale, num_ctas, stream."""
+    partial_offsets, partial_o, partial_lse, group_size, scale, softcap, softcap_in,
+    num_ctas, stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -66,7 +67,8 @@ def _fake_args(options: KernelOptions):
     partial_o = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
     partial_lse = vec(cutlass.Float32)
     return (q, k, v, o, qsl, seq_lens, block_table, work, cta_offsets, partial_offsets,
-            partial_o, partial_lse, cutlass.Int32(1), cutlass.Float32(1.0), cutlass.Int32(1),
+            partial_o, partial_lse, cutlass.Int32(1), cutlass.Float32(1.0),
+            cutlass.Float32(0.0), cutlass.Float32(0.0), cutlass.Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -239,7 +241,8 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
 
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
-                  key=None, value=None, query_start_loc_cpu=None, seq_lens_cpu=None):
+                  key=None, value=None, query_start_loc_cpu=None, seq_lens_cpu=None,
+                  softcap: float = 0.0):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
     ``plan`` is a ``DevicePlan`` made once per step; when None it is planned here from host
@@ -252,6 +255,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     ``kv_append`` with the block-table slot mapping would write).  ``plan`` must then be
     made with ``fresh_kv=True``.  Cache slots of a request's last page past ``seq_len`` may
     receive garbage (docs/contract.md).
+
+    ``softcap`` > 0: logits soft cap, ``softcap * tanh(softmax_scale * q.k / softcap)``.
     """
     T, Hq, Hkv, D = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                  block_table, key, value)
@@ -268,17 +273,21 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     if T == 0:
         return out
     options = KernelOptions.for_layer(q.dtype, D, Hq, Hkv, plan.tile_m, fused)
-    scale_log2 = softmax_scale * LOG2_E
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
+    # with a soft cap the scale is applied inside tanh: the softmax then runs in e units
+    scale_log2 = LOG2_E if softcap > 0 else softmax_scale * LOG2_E
+    cap_args = (float(softcap), softmax_scale / softcap if softcap > 0 else 0.0)
     if fused:
         compiled_attention(options)(
             q, key, value, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
             plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
-            plan.partial_lse, G, scale_log2, plan.num_ctas)
+            plan.partial_lse, G, scale_log2, *cap_args, plan.num_ctas)
     else:
         compiled_attention(options)(
             q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, plan.work,
             plan.cta_offsets, plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
-            scale_log2, plan.num_ctas)
+            scale_log2, *cap_args, plan.num_ctas)
     if plan.always_combine or plan.num_groups > 0:
         compiled_combine(options)(out, query_start_loc, plan.combine, plan.partial_o,
                                   plan.partial_lse, G, plan.num_ctas)

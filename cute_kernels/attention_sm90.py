@@ -90,6 +90,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mLsePartial: cute.Tensor,  # fp32 [R]: split-KV partial log2-sum-exp (scaled units)
         group_size: cutlass.Int32,
         softmax_scale_log2: cutlass.Float32,
+        softcap: cutlass.Float32,     # logits soft cap (0: none)
+        softcap_in: cutlass.Float32,  # softmax_scale / softcap
         num_ctas: cutlass.Int32,
         stream,
     ):
@@ -97,7 +99,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             raise TypeError("a fresh_kv IonAttentionSm90 is compiled through .fused(...)")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
                    mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-                   num_ctas, stream, None, None)
+                   softcap, softcap_in, num_ctas, stream, None, None)
 
     @cute.jit
     def fused(
@@ -118,6 +120,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mLsePartial: cute.Tensor,
         group_size: cutlass.Int32,
         softmax_scale_log2: cutlass.Float32,
+        softcap: cutlass.Float32,     # logits soft cap (0: none)
+        softcap_in: cutlass.Float32,  # softmax_scale / softcap
         num_ctas: cutlass.Int32,
         stream,
     ):
@@ -126,12 +130,12 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             raise TypeError("IonAttentionSm90.fused needs fresh_kv=True")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
                    mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-                   num_ctas, stream, mKey, mValue)
+                   softcap, softcap_in, num_ctas, stream, mKey, mValue)
 
     @cute.jit
     def _host(self, mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
               mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-              num_ctas, stream, mKey, mValue):
+              softcap, softcap_in, num_ctas, stream, mKey, mValue):
         """Views, TMA atoms and shared-memory layouts, then the launch (inlined into
         ``__call__`` or ``fused`` at trace time)."""
         dt = self.dtype
@@ -235,7 +239,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, softmax_scale_log2,
+            mLsePartial, group_size, softmax_scale_log2, softcap, softcap_in,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
             tma_qu=tma_qu, mQu_tma=tma_tensor_qu, q_smem_box_u=q_smem_box_u,
         ).launch(
@@ -270,6 +274,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mLsePartial: cute.Tensor,
         group_size: cutlass.Int32,
         scale_log2: cutlass.Float32,
+        softcap: cutlass.Float32,
+        softcap_in: cutlass.Float32,
         q_smem_staged: cute.ComposedLayout,
         q_smem_box: cute.ComposedLayout,
         k_smem_staged: cute.ComposedLayout,
@@ -329,8 +335,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.mma(qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-                     mLsePartial, group_size, scale_log2, sQ, sK, sV, q_cons, k_cons, v_cons,
-                     item_begin, item_end, tidx, wg_idx)
+                     mLsePartial, group_size, scale_log2, softcap, softcap_in, sQ, sK, sV,
+                     q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx)
 
     @staticmethod
     def _tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_arrivals: int):
@@ -348,8 +354,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
     # ---------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, scale_log2, sQ, sK, sV, q_cons, k_cons, v_cons,
-            item_begin, item_end, tidx, wg_idx):
+            mLsePartial, group_size, scale_log2, softcap, softcap_in, sQ, sK, sV, q_cons,
+            k_cons, v_cons, item_begin, item_end, tidx, wg_idx):
         """A consumer warpgroup's walk over the CTA's items: main loop, then epilogue."""
         D = self.head_dim
         P = self.page
@@ -439,6 +445,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
             cute.nvgpu.warpgroup.wait_group(0)
             k_handle.release()
+            if softcap > 0.0:
+                self._soft_cap(acc_s, softcap, softcap_in)
             self._mask_kv(acc_s, tScS, p0, pos0, seq_len, shift, n_old, ctx, u_part, u_diag)
             self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
             rP_as_s.store(acc_s.load().to(self.dtype))
@@ -451,6 +459,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                 self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
                 cute.nvgpu.warpgroup.wait_group(1)
                 k_handle.release()
+                if softcap > 0.0:
+                    self._soft_cap(acc_s, softcap, softcap_in)
                 self._mask_kv(acc_s, tScS, p, pos0, seq_len, shift, n_old, ctx, u_part,
                               u_diag)
                 self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
@@ -517,6 +527,14 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                     qpos = pos0 + (tScS[e][0] >> shift)
                     if kv > cutlass.min(qpos, seq_len - 1):
                         acc_s[e] = -cutlass.Float32.inf
+
+    @cute.jit
+    def _soft_cap(self, acc_s, cap, cap_in):
+        """Gemma 2's logits soft cap on raw scores: s <- cap * tanh(s * scale / cap).  The
+        host then passes scale_log2 = log2(e): the scale is inside the capped score.  A
+        runtime branch (uniform over the launch), so the compile key does not grow."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[e] = cap * cute.math.tanh(acc_s[e] * cap_in, approx=True)
 
     @cute.jit
     def _online_softmax(self, acc_s, row_max, row_sum, corr, scale_log2):
