@@ -465,6 +465,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention soft cap
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
@@ -500,7 +501,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
             kernels.ion_attention(
                 query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
-                key=key[:n], value=value[:n])
+                key=key[:n], value=value[:n], softcap=self.softcap)
             return output
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.kv_append(key[:n], value[:n], k_cache, v_cache,
@@ -509,7 +510,8 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         # with its row stride, no copy needed
         kernels.ion_attention(
             query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
-            attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan)
+            attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
+            softcap=self.softcap)
         return output
 
 

@@ -216,9 +216,9 @@ def layer_config_reasons(
     if sliding_window is not None:
         reasons.append(f"{BACKEND_NAME}: sliding window ({sliding_window}) is not supported "
                        f"-- {_FALLBACK}")
-    if logits_soft_cap is not None and logits_soft_cap != 0:
-        reasons.append(f"{BACKEND_NAME}: logits soft cap ({logits_soft_cap}) is not "
-                       f"supported -- {_FALLBACK}")
+    if logits_soft_cap is not None and not logits_soft_cap >= 0:
+        reasons.append(f"{BACKEND_NAME}: logits soft cap ({logits_soft_cap}) must be a "
+                       f"number >= 0 (0: none)")
     if has_sinks:
         reasons.append(f"{BACKEND_NAME}: attention sinks are not supported -- {_FALLBACK}")
     return [r for r in reasons if r is not None]

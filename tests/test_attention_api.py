@@ -364,14 +364,20 @@ def test_ion_attention_launches_the_kernel_of_the_plan(launches, fused):
             [("combine", want)] if dp.num_groups else [])
         a = launches[0][2]
         # (q, [key, value,] k_cache, v_cache, out, qsl, seq_lens, block_table, work,
-        #  cta_offsets, partial_offsets, partial_o, partial_lse, G, scale * log2(e), ctas)
+        #  cta_offsets, partial_offsets, partial_o, partial_lse, G, scale * log2(e),
+        #  softcap, scale / softcap, ctas)
         rest = a[3:] if fused else a[1:]
         assert a[0] is q and (not fused or (a[1] is kw["key"] and a[2] is kw["value"]))
         assert rest[:6] == args[1:3] + (q,) + args[4:7]
         assert rest[6] is dp.work and rest[7] is dp.cta_offsets and rest[8] is dp.partial_offsets
         assert rest[9] is dp.partial_o and rest[10] is dp.partial_lse
         assert rest[11] == 7 and rest[12] == pytest.approx(0.125 * attention.LOG2_E)
-        assert rest[13] == dp.num_ctas
+        assert rest[13:15] == (0.0, 0.0) and rest[15] == dp.num_ctas
+        launches.clear()  # a soft cap moves the scale inside tanh
+        attention.ion_attention(*args, plan=dp, softcap=50.0, **kw)
+        rest = launches[0][2][3:] if fused else launches[0][2][1:]
+        assert rest[12] == pytest.approx(attention.LOG2_E)
+        assert rest[13:15] == (50.0, pytest.approx(0.125 / 50.0))
 
 
 def test_ion_attention_combine_and_plan_rules(launches):

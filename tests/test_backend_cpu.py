@@ -561,7 +561,7 @@ def test_plan_reuse_is_per_tile_size(make_config):
 # ------------------------------------------------------------------------------ impl
 BAD_LAYERS = [
     (dict(sliding_window=4096), "sliding window"),
-    (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(logits_soft_cap=float("nan")), "soft cap"),
     (dict(sinks=torch.zeros(8)), "sinks"),
     (dict(alibi_slopes=[0.1] * 8), "ALiBi"),
     (dict(num_heads=256, num_kv_heads=8), "GQA ratio 32"),
@@ -586,6 +586,7 @@ def test_impl_accepts_what_it_can_run():
     assert impl.num_queries_per_kv == 7 and impl.scale == pytest.approx(0.088)
     assert IonAttentionImpl(8, 64, 0.1).num_kv_heads == 8  # num_kv_heads defaults to Hq
     IonAttentionImpl(8, 64, 0.1, 8, logits_soft_cap=0.0)
+    assert IonAttentionImpl(8, 64, 0.1, 8, logits_soft_cap=50.0).softcap == 50.0
     shared = IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name="layers.0.attn")
     assert shared.kv_sharing_target_layer_name == "layers.0.attn"
 
@@ -603,7 +604,7 @@ def reference_kernels(calls):
         reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
 
     def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None,
-                      key=None, value=None):
+                      key=None, value=None, softcap=0.0):
         rows = int(qsl[-1])
         if key is not None:  # eager writeback: the launch itself writes the new K/V
             assert plan.fresh_kv, "fused call with a page plan"
@@ -615,7 +616,7 @@ def reference_kernels(calls):
             assert not plan.fresh_kv, "plain call with a fused plan"
             calls.append(("ion_attention", q.shape[0], plan))
         ref = reference_paged_attention(q[:rows], k_cache, v_cache, qsl, seq_lens,
-                                        block_table, scale)
+                                        block_table, scale, softcap=softcap)
         out[:rows] = ref.to(out.dtype)
 
     return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)

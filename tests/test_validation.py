@@ -95,7 +95,7 @@ BAD_LAYER = [
     (dict(head_size=80), "head size 80"),
     (dict(alibi_slopes=[0.5] * 28), "ALiBi"),
     (dict(sliding_window=4096), "sliding window (4096)"),
-    (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(logits_soft_cap=-1.0), "soft cap"),
     (dict(has_sinks=True), "sinks"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2"),
     (dict(attn_type="encoder_decoder"), "encoder_decoder"),
@@ -106,7 +106,8 @@ def test_good_layers_pass():
     for ok in (GOOD_LAYER, dict(num_heads=32, num_kv_heads=32, head_size=64),
                dict(num_heads=32, num_kv_heads=4, head_size=128),
                dict(num_heads=7, num_kv_heads=1, head_size=64),
-               dict(GOOD_LAYER, logits_soft_cap=0.0)):
+               dict(GOOD_LAYER, logits_soft_cap=0.0),
+               dict(GOOD_LAYER, logits_soft_cap=50.0)):  # Gemma 2
         assert validation.layer_config_reasons(**ok) == [], ok
         check_layer(**ok)
 
