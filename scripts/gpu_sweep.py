@@ -52,6 +52,8 @@ MAX_KV = 32768
 MAX_CHUNK = 2048
 GQA_RATIOS = (1, 4, 7, 8, 12, 16)
 HEAD_DIMS = (64, 128)
+#: the logits soft cap of the cases that have one (Gemma 2's attention cap)
+SOFTCAP = 50.0
 #: cases over which every (GQA ratio, head size) pair comes once
 CYCLE = len(GQA_RATIOS) * len(HEAD_DIMS)
 DEFAULT_CASES = 1000
@@ -76,6 +78,7 @@ class SweepCase:
     pad_rows: int
     slot_dtype: str  # "int64" | "int32"
     tags: List[str]
+    softcap: float = 0.0  # logits soft cap (0: none)
 
     @property
     def g(self) -> int:
@@ -207,9 +210,15 @@ def make_case(index: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
     pad = rng.randint(1, 8) if (pad_rows and rng.random() < 0.33) else 0
     if pad:
         tags.append("pad_rows")
+    # a quarter of the cases with a soft cap (Gemma 2: 50), drawn last so the shapes of
+    # every case stay what they were without it
+    softcap = SOFTCAP if random.Random(case_seed ^ 0x5EED).random() < 0.25 else 0.0
+    if softcap:
+        tags.append("softcap")
     return SweepCase(index=index, seed=case_seed, q_lens=q_lens, seq_lens=seq_lens,
                      hq=g * hkv, hkv=hkv, d=d, dtype=dtype, pad_rows=pad,
-                     slot_dtype="int32" if index % 3 == 2 else "int64", tags=tags)
+                     slot_dtype="int32" if index % 3 == 2 else "int64", tags=tags,
+                     softcap=softcap)
 
 
 def make_cases(n: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
@@ -364,20 +373,21 @@ def run_case(case: SweepCase, device, fault: str = "none", impl=None,
         plan.partial_o.fill_(float("nan"))  # a split read before it is written must show
         _sync(device)
         t1 = time.perf_counter()
+        cap = {"softcap": case.softcap} if case.softcap else {}
         if fused:
             impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan,
-                               key=key, value=value)
+                               key=key, value=value, **cap)
         else:
-            impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan)
+            impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan, **cap)
         _sync(device)
         t_kernel = time.perf_counter() - t1
         if fused:
             cache_ok = cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt.cpu(),
                                      case.seq_lens)
 
-        ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale)
+        ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale, **cap)
         pt = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale,
-                                       compute_dtype=dtype)
+                                       compute_dtype=dtype, **cap)
         mask = written_rows_mask(qsl, sl, total_q).to(device)
         written = out[mask]
         nan_in_written = bool(torch.isnan(written).any())

@@ -69,7 +69,13 @@ def test_coverage(default_cases):
     assert max(q for q, _ in rows) >= 1900
     assert sum(1 for c in cs if c.pad_rows > 0) >= 30
     assert {"decode", "prefill", "chunk", "zero_new", "empty", "page_boundary", "long",
-            "pad_rows"} <= {t for c in cs for t in c.tags}
+            "pad_rows", "softcap"} <= {t for c in cs for t in c.tags}
+    # a quarter soft-capped, on every GQA ratio, head size and path
+    capped = [c for c in cs if c.softcap]
+    assert 0.18 * len(cs) < len(capped) < 0.32 * len(cs)
+    assert all(c.softcap == sw.SOFTCAP and "softcap" in c.tags for c in capped)
+    assert {(c.g, c.d, sw.case_path(c)[0]) for c in capped} == {
+        (g, d, p) for g in sw.GQA_RATIOS for d in sw.HEAD_DIMS for p in sw.PATHS}
 
 
 def test_deterministic_by_seed():
