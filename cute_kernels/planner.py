@@ -82,6 +82,25 @@ def kv_units(ctx, last_new_token, page_size: int = PAGE_SIZE):
     return -(-ctx // page_size) + last // page_size + 1
 
 
+def window_first(ctx, tok0, window: int, page_size: int = PAGE_SIZE, fresh_kv: bool = False):
+    """First KV page (fused writeback: unit) a q tile reads under a sliding ``window``
+    (tokens; 0: none, every tile starts at 0).  The tile's first query sits at position
+    ``ctx + tok0`` and sees keys from ``ctx + tok0 - window + 1`` on; the page (unit)
+    holding that key is the first one with a key any query of the tile sees.  Old page
+    ``u`` holds keys ``u*P ..``; fresh unit ``n_old + k`` holds keys ``ctx + k*P ..``.
+    Vectorized; a pure function."""
+    ctx = np.asarray(ctx, dtype=np.int64)
+    tok0 = np.asarray(tok0, dtype=np.int64)
+    if window <= 0:
+        return np.zeros(np.broadcast(ctx, tok0).shape, dtype=np.int64)
+    key0 = np.maximum(ctx + tok0 - window + 1, 0)
+    if not fresh_kv:
+        return key0 // page_size
+    n_old = -(-ctx // page_size)
+    return np.where(key0 < ctx, key0 // page_size,
+                    n_old + (key0 - ctx) // page_size)
+
+
 def fresh_mask_units(ctx, pos0, seq_len, page_size: int = PAGE_SIZE):
     """``(u_part, u_diag)``: the KV units of a fused-writeback item whose keys may need
     the element-wise mask (``attention_sm90._mask_unit``, which decides with the same
@@ -400,6 +419,7 @@ class _Tiles:
     ntok: np.ndarray  # tokens in the tile
     ntr: np.ndarray  # q tiles per slot of the tile's request
     n_pages: np.ndarray  # KV pages (fused writeback: KV units) the tile reads
+    first: np.ndarray  # its first page (unit): 0, or where a sliding window starts
     rows: np.ndarray  # MMA rows carrying data
     unp: np.ndarray  # tile of an unpacked request
     pu: np.ndarray  # modeled us per page
@@ -426,6 +446,7 @@ def plan(
     max_partial_rows: int | None = None,
     fresh_kv: bool = False,
     unpacked_prefill: bool = False,
+    window: int = 0,
 ) -> Plan:
     """Build the phantom-free, cost-balanced work list (see module docstring).
 
@@ -435,6 +456,10 @@ def plan(
     ``unpacked_prefill=True`` tiles long prefill rows of a padded GQA group (G < Gp) one
     q head x ``tile_m`` tokens per item (QHEAD >= 0, rule: ``unpacked_requests``); the
     plan then runs on the kernel's unpacked tiles.
+    ``window`` > 0 (tokens, a sliding-window layer): a query at position p sees keys
+    ``p - window + 1 ..= p``; every page (unit) wholly before a tile's first query's window
+    is left out of its item (phantom tiles of the window never run), and the kernel masks
+    the partial pages at the window's edge.
     """
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
     num_kv_heads = int(num_kv_heads)
@@ -448,6 +473,9 @@ def plan(
     gp = next_pow2(group_size)
     if tile_m < gp or tile_m % gp:
         raise ValueError(f"tile_m={tile_m} must be a multiple of Gp={gp}")
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 tokens (0: none), got {window}")
 
     qsl = _as_int_vector(query_start_loc, "query_start_loc")
     sl = _as_int_vector(seq_lens, "seq_lens")
@@ -474,7 +502,7 @@ def plan(
         unp = unpacked_requests(qsl, sl, group_size=group_size, page_size=page_size,
                                 tile_m=tile_m, cost_model=cm, fresh_kv=fresh_kv)
     t = _tiles(q_len, sl, live, unp, num_kv_heads=num_kv_heads, group_size=group_size,
-               page_size=page_size, tile_m=tile_m, cm=cm, fresh_kv=fresh_kv)
+               page_size=page_size, tile_m=tile_m, cm=cm, fresh_kv=fresh_kv, window=window)
 
     # no-split schedule, then the split-KV search against it
     ones = np.ones(t.n_pages.shape[0], dtype=np.int64)
@@ -503,9 +531,10 @@ def plan(
 
 
 def _tiles(q_len, sl, live, unp, *, num_kv_heads: int, group_size: int, page_size: int,
-           tile_m: int, cm: CostModel, fresh_kv: bool) -> _Tiles:
+           tile_m: int, cm: CostModel, fresh_kv: bool, window: int = 0) -> _Tiles:
     """Every q tile with work: packed requests one slot (QHEAD -1) of tile_m // Gp tokens
-    a tile; unpacked requests G slots (q heads) of tile_m tokens a tile."""
+    a tile; unpacked requests G slots (q heads) of tile_m tokens a tile.  With a
+    ``window``, a tile's pages start at its first query's window (``window_first``)."""
     gp = next_pow2(group_size)
     tpt_r = np.where(unp, tile_m, tile_m // gp)
     slots_r = np.where(unp, group_size, 1)
@@ -529,12 +558,14 @@ def _tiles(q_len, sl, live, unp, *, num_kv_heads: int, group_size: int, page_siz
     else:
         last_pos = sl[req] - ql + tok0 + ntok - 1  # absolute position of the tile's last token
         n_pages = last_pos // page_size + 1  # causal bound: pages 0 .. last_pos // P
+    first = window_first(sl[req] - ql, tok0, window, page_size, fresh_kv)
+    n_pages = n_pages - first
     # MMA rows carrying data: packed tiles Gp per token (padding loaded too), unpacked 1
     rows = np.where(tile_unp, ntok, ntok * gp)
     # per-tile cost pieces (tables over rows = 0 .. tile_m, then gathered)
     rows_tab = np.arange(tile_m + 1, dtype=np.int64)
     return _Tiles(req=req, head=head, qhead=qhead, tok0=tok0, ntok=ntok, ntr=ntr,
-                  n_pages=n_pages, rows=rows, unp=tile_unp,
+                  n_pages=n_pages, first=first, rows=rows, unp=tile_unp,
                   group_rows=np.where(qhead <= 0, ntok * gp, 0),
                   pu=cm.page_us(rows_tab, page_size)[rows],
                   f_un=cm.fixed_us(rows_tab, False)[rows],
@@ -631,14 +662,14 @@ def _materialize(t: _Tiles, splits, cta, item_cost, *, gp: int, tile_m: int, num
     if split_any:
         tile, sidx, p0, p1 = _expand_splits(n_pages, splits)
         tile, sidx = tile[perm], sidx[perm]
-        work[:, W.P0] = p0[perm]
-        work[:, W.P1] = p1[perm]
+        work[:, W.P0] = p0[perm] + t.first[tile]
+        work[:, W.P1] = p1[perm] + t.first[tile]
         work[:, W.SPLIT] = sidx
         work[:, W.NSPLIT] = splits[tile]
     else:
         tile = perm
-        work[:, W.P0] = 0
-        work[:, W.P1] = n_pages[tile]
+        work[:, W.P0] = t.first[tile]
+        work[:, W.P1] = t.first[tile] + n_pages[tile]
         work[:, W.SPLIT] = 0
         work[:, W.NSPLIT] = 1
     work[:, W.REQ] = t.req[tile]

@@ -161,20 +161,27 @@ def unit_of_key(L: int, ctx: int, page: int, fresh_kv: bool) -> np.ndarray:
     return np.where(pos < ctx, pos // page, -(-ctx // page) + (pos - ctx) // page)
 
 
-def needed_units(q: int, L: int, page: int, fresh_kv: bool) -> np.ndarray:
+def needed_units(q: int, L: int, page: int, fresh_kv: bool, window: int = 0) -> np.ndarray:
     """``need[t, u]``: new token ``t`` (position ``L - q + t``, causal: keys ``0 ..=`` its
-    position) reads some key of page / unit ``u``."""
+    position; with a ``window``, only keys ``> position - window``) reads some key of
+    page / unit ``u``."""
     ctx = L - q
     units = unit_of_key(L, ctx, page, fresh_kv)
-    first_key = np.searchsorted(units, np.arange(int(units[-1]) + 1))  # units ascend
-    return first_key[None, :] <= ctx + np.arange(q)[:, None]
+    u = np.arange(int(units[-1]) + 1)
+    first_key = np.searchsorted(units, u)  # units ascend
+    pos = ctx + np.arange(q)[:, None]
+    need = first_key[None, :] <= pos
+    if window > 0:
+        last_key = np.searchsorted(units, u, side="right") - 1
+        need &= last_key[None, :] > pos - window
+    return need
 
 
 # ---------------------------------------------------------------------------- checker
 def check_plan(p, qsl, seq_lens, *, num_kv_heads: int, group_size: int, num_ctas: int,
                tile_m: int = 64, page_size: int = PAGE_SIZE, fresh_kv: bool = False,
                unpacked: bool = False, max_splits: int | None = None, cost_model=None,
-               max_partial_rows: int | None = None) -> set:
+               max_partial_rows: int | None = None, window: int = 0) -> set:
     """Raise AssertionError unless ``p`` is an exact, phantom-free, consistent plan of the
     batch for these options; returns the requests tiled unpacked."""
     cm = DEFAULT_COST_MODEL if cost_model is None else cost_model
@@ -239,7 +246,7 @@ def check_plan(p, qsl, seq_lens, *, num_kv_heads: int, group_size: int, num_ctas
     unp_reqs = {bb for bb, k in kinds.items() if True in k}
 
     # ---- coverage: every needed (b, q head, token, unit) exactly once, no phantom unit
-    need = {bb: needed_units(int(q[bb]), int(sl[bb]), P, fresh_kv)
+    need = {bb: needed_units(int(q[bb]), int(sl[bb]), P, fresh_kv, window)
             for bb in np.flatnonzero(live).tolist()}
     groups: dict[tuple, list] = {}
     for i in range(n):
@@ -279,8 +286,11 @@ def check_plan(p, qsl, seq_lens, *, num_kv_heads: int, group_size: int, num_ctas
         for g in heads:
             mine = sorted((int(s[i]), int(u0[i]), int(u1[i])) for i in items if qh[i] == g)
             assert [m[0] for m in mine] == list(range(S)), f"tile {key}: split indices"
-            assert mine[0][1] == 0 and all(mine[k][2] == mine[k + 1][1] for k in range(S - 1)), \
-                f"tile {key}: split ranges not contiguous from page 0"
+            nd = need[key[0]][key[2]:key[2] + ntok]
+            start = int(np.argmax(nd.any(axis=0)))  # the tile's first needed page (unit)
+            assert mine[0][1] == start and all(mine[k][2] == mine[k + 1][1]
+                                               for k in range(S - 1)), \
+                f"tile {key}: split ranges not contiguous from its first page {start}"
             r = [m[1:] for m in mine]
             assert ranges is None or r == ranges, f"tile {key}: q heads split differently"
             ranges = r

@@ -57,7 +57,8 @@ def check_kwargs(kw) -> dict:
                 num_ctas=kw.get("num_ctas", 132), tile_m=kw.get("tile_m", 64),
                 page_size=kw.get("page_size", P), fresh_kv=kw.get("fresh_kv", False),
                 unpacked=kw.get("unpacked_prefill", False), max_splits=kw.get("max_splits", 16),
-                cost_model=kw.get("cost_model"), max_partial_rows=kw.get("max_partial_rows"))
+                cost_model=kw.get("cost_model"), max_partial_rows=kw.get("max_partial_rows"),
+                window=kw.get("window", 0))
 
 
 def checked(q_lens, seq_lens, **kw):
@@ -661,6 +662,48 @@ def check_writeback(p, q_lens, seq_lens, hkv, rng):
                 assert (writes[blk, :, row] == 0).all(), f"old token {pos} of {b} hit"
     assert writes.max() <= 1, "two stores hit one slot"
     assert not writes[~owned].any(), "a block no request owns was written"
+
+
+@pytest.mark.parametrize("fresh_kv", [False, True], ids=["pages", "fresh"])
+@pytest.mark.parametrize("tile_m", TILE_MS)
+def test_sliding_window_plans_skip_every_page_outside_the_window(seeded, tile_m, fresh_kv):
+    """Windows below, at and above a page, and longer than the sequences: the checker's
+    coverage (every (token, unit) a query sees under the window exactly once) and its
+    phantom test (no unit in an item that no token of its tile sees) hold, splits
+    included; long rows read only about window / P pages; fused plans still write every
+    new token exactly once."""
+    rng = seeded.rng()
+    for it in range(10):
+        window = int(rng.choice([1, 17, 63, 64, 65, 128, 300, 1024, 100000]))
+        q_lens, seq_lens = random_batch(rng, tile_m)
+        q_lens.append(1)
+        seq_lens.append(int(rng.integers(3000, 9000)))  # a long decode row
+        if it % 2:
+            q_lens.append(2 * tile_m)
+            seq_lens.append(2 * tile_m + int(rng.integers(0, 2000)))
+        g = int(rng.choice(GQA))
+        kw = dict(num_kv_heads=2, group_size=g, tile_m=tile_m, fresh_kv=fresh_kv,
+                  window=window, unpacked_prefill=bool(it % 3 == 0),
+                  **([dict(cost_model=CHEAP_SPLIT_MODEL, num_ctas=16, max_splits=8)]
+                     [0] if it % 2 else {}))
+        with seeded.case(it=it, q_lens=q_lens, seq_lens=seq_lens, kw=kw):
+            p = checked(q_lens, seq_lens, **kw)
+            w = p.work
+            long_row = len(q_lens) - (2 if it % 2 else 1)
+            pages = (w[:, W.P1] - w[:, W.P0])[w[:, W.REQ] == long_row]
+            # per KV head: the pages the window touches (+ the fresh unit when fused)
+            assert pages.sum() <= 2 * (-(-window // P) + 2), "window not pruned"
+            if fresh_kv:
+                check_writeback(p, q_lens, seq_lens, 2, rng)
+    with pytest.raises(ValueError, match="window"):
+        plan(qsl_of([1]), [5], num_kv_heads=1, group_size=1, window=-1)
+    # the checker tells a plan that reads outside the window (or misses a page in it)
+    qsl, sl = qsl_of([1, 130]), np.asarray([4000, 900], np.int32)
+    for made, told in ((0, 256), (256, 0), (256, 512)):
+        kw = dict(num_kv_heads=1, group_size=4, fresh_kv=fresh_kv, tile_m=tile_m)
+        p = plan(qsl, sl, window=made, **kw)
+        with pytest.raises(AssertionError):
+            check_plan(p, qsl, sl, **check_kwargs({**kw, "window": told}))
 
 
 @pytest.mark.parametrize("tile_m,unpacked", [(64, False), (64, True), (128, True), (192, True)])
