@@ -33,7 +33,7 @@ def _fake_args(options: KernelOptions):
     """Fake tensors with symbolic sizes matching the kernel's runtime contract: q, k_cache,
     v_cache, out, query_start_loc, seq_lens, block_table, work, cta_offsets,
     partial_offsets, partial_o, partial_lse, group_size, scale, softcap, softcap_in,
-    num_ctas, stream."""
+    window, num_ctas, stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -68,7 +68,7 @@ def _fake_args(options: KernelOptions):
     partial_lse = vec(cutlass.Float32)
     return (q, k, v, o, qsl, seq_lens, block_table, work, cta_offsets, partial_offsets,
             partial_o, partial_lse, cutlass.Int32(1), cutlass.Float32(1.0),
-            cutlass.Float32(0.0), cutlass.Float32(0.0), cutlass.Int32(1),
+            cutlass.Float32(0.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -242,7 +242,7 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
                   key=None, value=None, query_start_loc_cpu=None, seq_lens_cpu=None,
-                  softcap: float = 0.0):
+                  softcap: float = 0.0, window: int = 0):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
     ``plan`` is a ``DevicePlan`` made once per step; when None it is planned here from host
@@ -257,6 +257,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     receive garbage (docs/contract.md).
 
     ``softcap`` > 0: logits soft cap, ``softcap * tanh(softmax_scale * q.k / softcap)``.
+    ``window`` > 0: sliding window of that many tokens (a query sees its last ``window``
+    keys); ``plan`` must be made with the same window.
     """
     T, Hq, Hkv, D = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                  block_table, key, value)
@@ -266,10 +268,13 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         qsl_h = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.cpu()
         sl_h = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.cpu()
         plan = make_device_plan(qsl_h, sl_h, num_kv_heads=Hkv, group_size=G, head_dim=D,
-                                device=q.device, fresh_kv=fused)
+                                device=q.device, fresh_kv=fused, window=window)
     if plan.fresh_kv is not None and plan.fresh_kv != fused:
         raise ValueError("plan kind does not match the call: key/value given needs a "
                          "fresh_kv=True plan, a call without them a fresh_kv=False plan")
+    if plan.window is not None and plan.window != window:
+        raise ValueError(f"plan was pruned for a window of {plan.window} tokens, the call "
+                         f"asks for {window}: plan with the layer's window")
     if T == 0:
         return out
     options = KernelOptions.for_layer(q.dtype, D, Hq, Hkv, plan.tile_m, fused)
@@ -277,7 +282,9 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
     # with a soft cap the scale is applied inside tanh: the softmax then runs in e units
     scale_log2 = LOG2_E if softcap > 0 else softmax_scale * LOG2_E
-    cap_args = (float(softcap), softmax_scale / softcap if softcap > 0 else 0.0)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 tokens (0: none), got {window}")
+    cap_args = (float(softcap), softmax_scale / softcap if softcap > 0 else 0.0, int(window))
     if fused:
         compiled_attention(options)(
             q, key, value, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,

@@ -92,6 +92,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         softmax_scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,     # logits soft cap (0: none)
         softcap_in: cutlass.Float32,  # softmax_scale / softcap
+        window: cutlass.Int32,        # sliding window in tokens (0: none)
         num_ctas: cutlass.Int32,
         stream,
     ):
@@ -99,7 +100,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             raise TypeError("a fresh_kv IonAttentionSm90 is compiled through .fused(...)")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
                    mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-                   softcap, softcap_in, num_ctas, stream, None, None)
+                   softcap, softcap_in, window, num_ctas, stream, None, None)
 
     @cute.jit
     def fused(
@@ -122,6 +123,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         softmax_scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,     # logits soft cap (0: none)
         softcap_in: cutlass.Float32,  # softmax_scale / softcap
+        window: cutlass.Int32,        # sliding window in tokens (0: none)
         num_ctas: cutlass.Int32,
         stream,
     ):
@@ -130,12 +132,12 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             raise TypeError("IonAttentionSm90.fused needs fresh_kv=True")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
                    mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-                   softcap, softcap_in, num_ctas, stream, mKey, mValue)
+                   softcap, softcap_in, window, num_ctas, stream, mKey, mValue)
 
     @cute.jit
     def _host(self, mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
               mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-              softcap, softcap_in, num_ctas, stream, mKey, mValue):
+              softcap, softcap_in, window, num_ctas, stream, mKey, mValue):
         """Views, TMA atoms and shared-memory layouts, then the launch (inlined into
         ``__call__`` or ``fused`` at trace time)."""
         dt = self.dtype
@@ -239,7 +241,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, softmax_scale_log2, softcap, softcap_in,
+            mLsePartial, group_size, softmax_scale_log2, softcap, softcap_in, window,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
             tma_qu=tma_qu, mQu_tma=tma_tensor_qu, q_smem_box_u=q_smem_box_u,
         ).launch(
@@ -276,6 +278,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,
         softcap_in: cutlass.Float32,
+        window: cutlass.Int32,
         q_smem_staged: cute.ComposedLayout,
         q_smem_box: cute.ComposedLayout,
         k_smem_staged: cute.ComposedLayout,
@@ -335,8 +338,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.mma(qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-                     mLsePartial, group_size, scale_log2, softcap, softcap_in, sQ, sK, sV,
-                     q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx)
+                     mLsePartial, group_size, scale_log2, softcap, softcap_in, window, sQ, sK,
+                     sV, q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx)
 
     @staticmethod
     def _tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_arrivals: int):
@@ -354,8 +357,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
     # ---------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, scale_log2, softcap, softcap_in, sQ, sK, sV, q_cons,
-            k_cons, v_cons, item_begin, item_end, tidx, wg_idx):
+            mLsePartial, group_size, scale_log2, softcap, softcap_in, window, sQ, sK, sV,
+            q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx):
         """A consumer warpgroup's walk over the CTA's items: main loop, then epilogue."""
         D = self.head_dim
         P = self.page
@@ -429,6 +432,19 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                 if n_old * P != ctx:
                     u_part = n_old - 1
                 u_diag = n_old + (cutlass.min(pos0, seq_len - 1) - ctx + 1) // P
+            # sliding window: a key kv is masked for the query at qpos iff kv <= qpos - w_off
+            # (w_off = 2^30 without a window: never); only pages (units) <= u_win can hold
+            # such a key: the one holding key kw = last query position - window, and before
+            w_off = cutlass.Int32(1 << 30)
+            u_win = cutlass.Int32(-1)
+            if window > 0:
+                w_off = window
+                kw = pos0 + (TILE_M >> shift) - 1 - window
+                if kw >= 0:
+                    u_win = kw // P
+                    if cutlass.const_expr(self.fresh_kv):
+                        if kw >= ctx:
+                            u_win = n_old + (kw - ctx) // P
 
             row_max[0] = -cutlass.Float32.inf
             row_max[1] = -cutlass.Float32.inf
@@ -447,7 +463,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             k_handle.release()
             if softcap > 0.0:
                 self._soft_cap(acc_s, softcap, softcap_in)
-            self._mask_kv(acc_s, tScS, p0, pos0, seq_len, shift, n_old, ctx, u_part, u_diag)
+            self._mask_kv(acc_s, tScS, p0, pos0, seq_len, shift, n_old, ctx, u_part, u_diag,
+                          u_win, w_off)
             self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
             rP_as_s.store(acc_s.load().to(self.dtype))
             # steady state: S_p = Q K_p^T runs on the tensor cores while P_{p-1} is consumed
@@ -462,7 +479,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                 if softcap > 0.0:
                     self._soft_cap(acc_s, softcap, softcap_in)
                 self._mask_kv(acc_s, tScS, p, pos0, seq_len, shift, n_old, ctx, u_part,
-                              u_diag)
+                              u_diag, u_win, w_off)
                 self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
                 cute.nvgpu.warpgroup.wait_group(0)
                 v_handle.release()
@@ -495,7 +512,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _mask_kv(self, acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part, u_diag):
+    def _mask_kv(self, acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part, u_diag,
+                 u_win, w_off):
         """-inf on the keys of KV page (fused: unit) ``u`` that row's query may not see.
 
         Pages: key ``u*P + c`` is masked past the query's position (causal) or past
@@ -505,10 +523,11 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         holds keys ``ctx + (u-n_old)*P + c``, valid iff ``<=`` the query's position.  Only
         ``u == u_part`` and ``u >= u_diag`` can hold a masked key: two compares a page
         instead of the per-page arithmetic, which ptxas scheduled between the V wait and
-        the PV wgmma."""
+        the PV wgmma.  A sliding window masks keys ``<= qpos - w_off`` on units ``<= u_win``
+        (the item's first ones; ``u_win`` = -1 without a window)."""
         P = self.page
         if cutlass.const_expr(self.fresh_kv):
-            if u == u_part or u >= u_diag:
+            if u == u_part or u >= u_diag or u <= u_win:
                 kv0 = u * P
                 lim = ctx - 1
                 if u >= n_old:
@@ -517,15 +536,15 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     kv = kv0 + tScS[e][1]
                     qpos = pos0 + (tScS[e][0] >> shift)
-                    if kv > cutlass.min(qpos, lim):
+                    if kv > cutlass.min(qpos, lim) or kv <= qpos - w_off:
                         acc_s[e] = -cutlass.Float32.inf
         else:
             kv0 = u * P
-            if kv0 + P - 1 > pos0:
+            if kv0 + P - 1 > pos0 or u <= u_win:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     kv = kv0 + tScS[e][1]
                     qpos = pos0 + (tScS[e][0] >> shift)
-                    if kv > cutlass.min(qpos, seq_len - 1):
+                    if kv > cutlass.min(qpos, seq_len - 1) or kv <= qpos - w_off:
                         acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit

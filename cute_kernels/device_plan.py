@@ -80,6 +80,8 @@ class DevicePlan:
         #: kind of the last uploaded plan: True = KV units for the fused-writeback kernel,
         #: False = cache pages, None = nothing uploaded yet
         self.fresh_kv = None
+        #: the sliding window (tokens, 0: none) the last uploaded plan was pruned to
+        self.window = None
         pin = device.type == "cuda"
         self._stages = [_PinnedStage(self.item_capacity, self.group_capacity, self.num_ctas,
                                      pin) for _ in range(2)]
@@ -127,13 +129,14 @@ class DevicePlan:
         self.num_groups = g
         self.host = host_plan
         self.fresh_kv = bool(host_plan.fresh_kv)
+        self.window = int(host_plan.window)
         return self
 
 
 def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
                      group_size: int, head_dim: int, device, fresh_kv: bool = False,
                      tile_m="auto", num_ctas=None, max_splits: int = 16, cost_model=None,
-                     batch_invariant: bool = False) -> DevicePlan:
+                     batch_invariant: bool = False, window: int = 0) -> DevicePlan:
     """Plan one batch on the host and place it on ``device`` (plain-PyTorch use; the vLLM
     backend keeps one ``DevicePlan`` per tile size and uploads every step).
 
@@ -161,7 +164,8 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
         num_ctas = grid_ctas(device, tile_m)
     p = plan(qsl, sl, num_kv_heads=num_kv_heads, group_size=group_size, num_ctas=num_ctas,
              tile_m=tile_m, allow_split=not batch_invariant, max_splits=max_splits,
-             cost_model=cost_model, fresh_kv=fresh_kv, unpacked_prefill=not batch_invariant)
+             cost_model=cost_model, fresh_kv=fresh_kv, unpacked_prefill=not batch_invariant,
+             window=window)
     dp = DevicePlan(item_capacity=p.n_items, group_capacity=p.combine.shape[0],
                     partial_rows_capacity=p.partial_rows, num_ctas=num_ctas,
                     head_dim=head_dim, device=device, tile_m=tile_m)

@@ -224,6 +224,8 @@ class Plan:
     # MMA rows of a q tile (64, 128 or 192: KernelOptions.tile_m); packed tiles hold
     # tile_m // Gp tokens, unpacked tiles tile_m tokens
     tile_m: int = 64
+    # the sliding window (tokens) the page ranges were pruned to; 0: none
+    window: int = 0
 
     @property
     def n_items(self) -> int:
@@ -392,7 +394,7 @@ def _expand_splits(n_pages: np.ndarray, splits: np.ndarray):
 
 
 def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False,
-                tile_m: int = 64) -> Plan:
+                tile_m: int = 64, window: int = 0) -> Plan:
     return Plan(
         work=np.zeros((0, WORK_COLS), dtype=np.int32),
         cta_offsets=np.zeros(num_ctas + 1, dtype=np.int32),
@@ -406,6 +408,7 @@ def _empty_plan(num_ctas: int, fresh_kv: bool = False, unpacked: bool = False,
         fresh_kv=fresh_kv,
         unpacked=unpacked,
         tile_m=tile_m,
+        window=int(window),
     )
 
 
@@ -493,7 +496,7 @@ def plan(
         bad = int(np.flatnonzero(live & (sl < q_len))[0])
         raise ValueError(f"seq_lens[{bad}]={int(sl[bad])} < q_len={int(q_len[bad])}")
     if not np.any(live):
-        return _empty_plan(num_ctas, fresh_kv, bool(unpacked_prefill), tile_m)
+        return _empty_plan(num_ctas, fresh_kv, bool(unpacked_prefill), tile_m, window)
     if int(sl.max()) > np.iinfo(np.int32).max or int(qsl[-1]) > np.iinfo(np.int32).max:
         raise OverflowError("sequence lengths / token counts must fit in int32")
 
@@ -527,7 +530,8 @@ def plan(
                 split_total + best_comb):
             splits, cta, item_cost = ones, cta0r, cost0
     return _materialize(t, splits, cta, item_cost, gp=gp, tile_m=tile_m, num_ctas=num_ctas,
-                        cm=cm, fresh_kv=fresh_kv, unpacked=bool(unpacked_prefill))
+                        cm=cm, fresh_kv=fresh_kv, unpacked=bool(unpacked_prefill),
+                        window=window)
 
 
 def _tiles(q_len, sl, live, unp, *, num_kv_heads: int, group_size: int, page_size: int,
@@ -648,7 +652,7 @@ def _search_splits(t: _Tiles, cost0, best_total: float, *, tile_m: int, num_ctas
 
 
 def _materialize(t: _Tiles, splits, cta, item_cost, *, gp: int, tile_m: int, num_ctas: int,
-                 cm: CostModel, fresh_kv: bool, unpacked: bool) -> Plan:
+                 cm: CostModel, fresh_kv: bool, unpacked: bool, window: int = 0) -> Plan:
     """The work list (items of each CTA contiguous), split-KV workspace rows and combine
     groups of the chosen schedule."""
     n_pages, qhead, ntok, tok0 = t.n_pages, t.qhead, t.ntok, t.tok0
@@ -733,6 +737,7 @@ def _materialize(t: _Tiles, splits, cta, item_cost, *, gp: int, tile_m: int, num
         fresh_kv=bool(fresh_kv),
         unpacked=bool(unpacked),
         tile_m=tile_m,
+        window=int(window),
     )
 
 
