@@ -15,6 +15,7 @@ PAGE_SIZE = 64
 
 _EXPORTS = {
     "ion_attention": ("cute_kernels.attention", "ion_attention"),
+    "sink_log2": ("cute_kernels.attention", "sink_log2"),
     "precompile": ("cute_kernels.attention", "precompile"),
     "make_device_plan": ("cute_kernels.device_plan", "make_device_plan"),
     "DevicePlan": ("cute_kernels.device_plan", "DevicePlan"),

@@ -32,8 +32,8 @@ def _cutlass_dtype(dtype: str):
 def _fake_args(options: KernelOptions):
     """Fake tensors with symbolic sizes matching the kernel's runtime contract: q, k_cache,
     v_cache, out, query_start_loc, seq_lens, block_table, work, cta_offsets,
-    partial_offsets, partial_o, partial_lse, group_size, scale, softcap, softcap_in,
-    window, num_ctas, stream."""
+    partial_offsets, partial_o, partial_lse, sinks_log2, group_size, scale, softcap,
+    softcap_in, window, num_ctas, stream."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -66,8 +66,9 @@ def _fake_args(options: KernelOptions):
     partial_offsets = vec(i32)
     partial_o = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
     partial_lse = vec(cutlass.Float32)
+    sinks_log2 = vec(cutlass.Float32)
     return (q, k, v, o, qsl, seq_lens, block_table, work, cta_offsets, partial_offsets,
-            partial_o, partial_lse, cutlass.Int32(1), cutlass.Float32(1.0),
+            partial_o, partial_lse, sinks_log2, cutlass.Int32(1), cutlass.Float32(1.0),
             cutlass.Float32(0.0), cutlass.Float32(0.0), cutlass.Int32(0), cutlass.Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
@@ -115,8 +116,9 @@ def combine_kernel_and_fake_args(options: KernelOptions):
                             assumed_align=4)
     po = make_fake_tensor(cutlass.Float32, (sym(), D), stride=(D, 1), assumed_align=16)
     plse = make_fake_tensor(cutlass.Float32, (sym(),), stride=(1,), assumed_align=4)
+    sinks = make_fake_tensor(cutlass.Float32, (sym(),), stride=(1,), assumed_align=4)
     kernel = CombineSm90(dt, D, options.group_pad)
-    return kernel, (o, qsl, comb, po, plse, cutlass.Int32(1), cutlass.Int32(1),
+    return kernel, (o, qsl, comb, po, plse, sinks, cutlass.Int32(1), cutlass.Int32(1),
                     make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -239,10 +241,29 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     return T, Hq, Hkv, D
 
 
+_NO_SINKS: dict = {}
+
+
+def _no_sinks(device, num_q_heads: int):
+    """A persistent fp32 [Hq] of -inf (no sink adds 0): made once, CUDA-graph safe."""
+    key = (str(device), num_q_heads)
+    t = _NO_SINKS.get(key)
+    if t is None:
+        t = _NO_SINKS[key] = torch.full((num_q_heads,), float("-inf"), dtype=torch.float32,
+                                        device=device)
+    return t
+
+
+def sink_log2(sinks):
+    """A layer's attention-sink logits (``[Hq]``, natural-log units, as gpt-oss stores
+    them) as the kernels read them: fp32, times log2(e)."""
+    return sinks.detach().float() * LOG2_E
+
+
 def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
                   softmax_scale: float, plan: Optional[DevicePlan] = None, *,
                   key=None, value=None, query_start_loc_cpu=None, seq_lens_cpu=None,
-                  softcap: float = 0.0, window: int = 0):
+                  softcap: float = 0.0, window: int = 0, sinks_log2=None):
     """Causal paged attention over a mixed prefill/decode batch; writes ``out`` in place.
 
     ``plan`` is a ``DevicePlan`` made once per step; when None it is planned here from host
@@ -259,6 +280,8 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     ``softcap`` > 0: logits soft cap, ``softcap * tanh(softmax_scale * q.k / softcap)``.
     ``window`` > 0: sliding window of that many tokens (a query sees its last ``window``
     keys); ``plan`` must be made with the same window.
+    ``sinks_log2``: fp32 ``[Hq]`` attention-sink logits times log2(e) (``sink_log2(sinks)``,
+    made once per layer); each joins its q head's softmax denominator with a zero value.
     """
     T, Hq, Hkv, D = check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                                  block_table, key, value)
@@ -285,17 +308,21 @@ def ion_attention(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     if window < 0:
         raise ValueError(f"window must be >= 0 tokens (0: none), got {window}")
     cap_args = (float(softcap), softmax_scale / softcap if softcap > 0 else 0.0, int(window))
+    sinks2 = _no_sinks(q.device, Hq) if sinks_log2 is None else sinks_log2
+    if sinks2.dtype != torch.float32 or tuple(sinks2.shape) != (Hq,) \
+            or sinks2.device != q.device:
+        raise ValueError(f"sinks_log2 must be fp32 [{Hq}] on {q.device}")
     if fused:
         compiled_attention(options)(
             q, key, value, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
             plan.work, plan.cta_offsets, plan.partial_offsets, plan.partial_o,
-            plan.partial_lse, G, scale_log2, *cap_args, plan.num_ctas)
+            plan.partial_lse, sinks2, G, scale_log2, *cap_args, plan.num_ctas)
     else:
         compiled_attention(options)(
             q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, plan.work,
-            plan.cta_offsets, plan.partial_offsets, plan.partial_o, plan.partial_lse, G,
-            scale_log2, *cap_args, plan.num_ctas)
+            plan.cta_offsets, plan.partial_offsets, plan.partial_o, plan.partial_lse, sinks2,
+            G, scale_log2, *cap_args, plan.num_ctas)
     if plan.always_combine or plan.num_groups > 0:
         compiled_combine(options)(out, query_start_loc, plan.combine, plan.partial_o,
-                                  plan.partial_lse, G, plan.num_ctas)
+                                  plan.partial_lse, sinks2, G, plan.num_ctas)
     return out

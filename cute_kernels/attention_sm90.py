@@ -88,6 +88,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mPartialOffsets: cute.Tensor,  # int32 [N]: first workspace row of a split item, else -1
         mOPartial: cute.Tensor,   # fp32 [R, D]: split-KV partial outputs (normalised by own l)
         mLsePartial: cute.Tensor,  # fp32 [R]: split-KV partial log2-sum-exp (scaled units)
+        mSinks2: cute.Tensor,     # fp32 [Hq]: attention sink logits x log2(e); -inf: none
         group_size: cutlass.Int32,
         softmax_scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,     # logits soft cap (0: none)
@@ -99,8 +100,9 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         if cutlass.const_expr(self.fresh_kv):
             raise TypeError("a fresh_kv IonAttentionSm90 is compiled through .fused(...)")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
-                   mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
-                   softcap, softcap_in, window, num_ctas, stream, None, None)
+                   mPartialOffsets, mOPartial, mLsePartial, mSinks2, group_size,
+                   softmax_scale_log2, softcap, softcap_in, window, num_ctas, stream, None,
+                   None)
 
     @cute.jit
     def fused(
@@ -119,6 +121,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mPartialOffsets: cute.Tensor,
         mOPartial: cute.Tensor,
         mLsePartial: cute.Tensor,
+        mSinks2: cute.Tensor,
         group_size: cutlass.Int32,
         softmax_scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,     # logits soft cap (0: none)
@@ -131,12 +134,14 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         if cutlass.const_expr(not self.fresh_kv):
             raise TypeError("IonAttentionSm90.fused needs fresh_kv=True")
         self._host(mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
-                   mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
+                   mPartialOffsets, mOPartial, mLsePartial, mSinks2, group_size,
+                   softmax_scale_log2,
                    softcap, softcap_in, window, num_ctas, stream, mKey, mValue)
 
     @cute.jit
     def _host(self, mQ, mK, mV, mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets,
-              mPartialOffsets, mOPartial, mLsePartial, group_size, softmax_scale_log2,
+              mPartialOffsets, mOPartial, mLsePartial, mSinks2, group_size,
+              softmax_scale_log2,
               softcap, softcap_in, window, num_ctas, stream, mKey, mValue):
         """Views, TMA atoms and shared-memory layouts, then the launch (inlined into
         ``__call__`` or ``fused`` at trace time)."""
@@ -241,7 +246,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
             mO, mQSL, mSeqLens, mBlockTable, mWork, mOffsets, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, softmax_scale_log2, softcap, softcap_in, window,
+            mLsePartial, mSinks2, group_size, softmax_scale_log2, softcap, softcap_in,
+            window,
             q_smem_staged, q_smem_box, k_smem_staged, v_smem_staged, *fresh_args,
             tma_qu=tma_qu, mQu_tma=tma_tensor_qu, q_smem_box_u=q_smem_box_u,
         ).launch(
@@ -274,6 +280,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         mPartialOffsets: cute.Tensor,
         mOPartial: cute.Tensor,
         mLsePartial: cute.Tensor,
+        mSinks2: cute.Tensor,
         group_size: cutlass.Int32,
         scale_log2: cutlass.Float32,
         softcap: cutlass.Float32,
@@ -338,8 +345,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.mma(qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-                     mLsePartial, group_size, scale_log2, softcap, softcap_in, window, sQ, sK,
-                     sV, q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx)
+                     mLsePartial, mSinks2, group_size, scale_log2, softcap, softcap_in, window,
+                     sQ, sK, sV, q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx)
 
     @staticmethod
     def _tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_arrivals: int):
@@ -357,7 +364,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
     # ---------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, qk_mma, pv_mma, mO, mQSL, mSeqLens, mWork, mPartialOffsets, mOPartial,
-            mLsePartial, group_size, scale_log2, softcap, softcap_in, window, sQ, sK, sV,
+            mLsePartial, mSinks2, group_size, scale_log2, softcap, softcap_in, window, sQ,
+            sK, sV,
             q_cons, k_cons, v_cons, item_begin, item_end, tidx, wg_idx):
         """A consumer warpgroup's walk over the CTA's items: main loop, then epilogue."""
         D = self.head_dim
@@ -492,7 +500,8 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             q_handle.release()
 
             self.epilogue(acc_o, tOcO, row_max, row_sum, mO, mQSL, mWork, mPartialOffsets,
-                          mOPartial, mLsePartial, it, b, q_start, q_cnt, head_base, shift,
+                          mOPartial, mLsePartial, mSinks2, it, b, q_start, q_cnt, head_base,
+                          shift,
                           gmask, qh, poff_rows, tok_off, group_size, scale_log2)
 
     @cute.jit

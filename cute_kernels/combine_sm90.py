@@ -39,14 +39,15 @@ class CombineSm90:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
-                 mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32,
-                 num_ctas: cutlass.Int32, stream):
-        self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, group_size).launch(
+                 mOPartial: cute.Tensor, mLsePartial: cute.Tensor, mSinks2: cute.Tensor,
+                 group_size: cutlass.Int32, num_ctas: cutlass.Int32, stream):
+        self.kernel(mO, mQSL, mCombine, mOPartial, mLsePartial, mSinks2, group_size).launch(
             grid=[num_ctas, 1, 1], block=[self.THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mQSL: cute.Tensor, mCombine: cute.Tensor,
-               mOPartial: cute.Tensor, mLsePartial: cute.Tensor, group_size: cutlass.Int32):
+               mOPartial: cute.Tensor, mLsePartial: cute.Tensor, mSinks2: cute.Tensor,
+               group_size: cutlass.Int32):
         Gp = self.group_pad
         K = self.head_dim // 32  # columns per lane: lane + 32 * j
         warps = self.THREADS // 32  # one row per warp
@@ -73,8 +74,9 @@ class CombineSm90:
             for r in cutlass.range(warp, n_rows, warps, unroll=1):
                 t = r // group_size
                 g = r - t * group_size
-                self._merge_row(mO, mOPartial, mLsePartial, acc, vals, base + t * Gp + g,
-                                n_split, split_stride, lane, tok_base + t, h * group_size + g)
+                self._merge_row(mO, mOPartial, mLsePartial, mSinks2, acc, vals,
+                                base + t * Gp + g, n_split, split_stride, lane, tok_base + t,
+                                h * group_size + g)
             gi = gi + gdim
             ntok = cutlass.Int32(0)
             if gi < cap:
@@ -82,11 +84,13 @@ class CombineSm90:
 
     @cute.jit
     def _merge_row(self, mO: cute.Tensor, mOPartial: cute.Tensor, mLsePartial: cute.Tensor,
-                   acc: cute.Tensor, vals: cute.Tensor, prow: cutlass.Int32,
+                   mSinks2: cute.Tensor, acc: cute.Tensor, vals: cute.Tensor,
+                   prow: cutlass.Int32,
                    n_split: cutlass.Int32, split_stride: cutlass.Int32, lane: cutlass.Int32,
                    out_tok: cutlass.Int32, out_head: cutlass.Int32):
         """Merge the ``n_split`` partials of workspace row ``prow`` into
-        ``mO[out_tok, out_head, :]`` (lane ``l`` holds columns ``l + 32 j``)."""
+        ``mO[out_tok, out_head, :]`` (lane ``l`` holds columns ``l + 32 j``).  The q head's
+        attention sink (``mSinks2``, log2 units; -inf: none) joins the denominator."""
         K = self.head_dim // 32
         S = self.SPLITS_IN_FLIGHT
         # 1. lane s: lse of split s; then the partial O of the first S splits, all issued
@@ -105,6 +109,8 @@ class CombineSm90:
         for s in cutlass.range(lane + 32, n_split, 32, unroll=1):
             m = cute.arch.fmax(m, mLsePartial[prow + s * split_stride])
         m = cute.arch.warp_reduction_max(m)
+        sink2 = mSinks2[out_head]
+        m = cute.arch.fmax(m, sink2)
         if m == -cutlass.Float32.inf:
             m = cutlass.Float32(0.0)
         w = cute.math.exp2(lse - m, fastmath=True)  # 0 on lanes past n_split
@@ -135,6 +141,7 @@ class CombineSm90:
                 den = den + ws
                 for j in cutlass.range_constexpr(K):
                     acc[j] = acc[j] + ws * vals[k * K + j]
+        den = den + cute.math.exp2(sink2 - m, fastmath=True)  # 0 without a sink
         inv = cutlass.Float32(0.0)
         if den > 0.0:
             inv = cutlass.Float32(1.0) / den

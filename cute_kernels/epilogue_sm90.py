@@ -15,8 +15,8 @@ class Sm90Epilogue:
 
     @cute.jit
     def epilogue(self, acc_o, tOcO, row_max, row_sum, mO, mQSL, mWork, mPartialOffsets,
-                 mOPartial, mLsePartial, it, b, q_start, q_cnt, head_base, shift, gmask, qh,
-                 poff_rows, tok_off, group_size, scale_log2):
+                 mOPartial, mLsePartial, mSinks2, it, b, q_start, q_cnt, head_base, shift,
+                 gmask, qh, poff_rows, tok_off, group_size, scale_log2):
         """Row sums across the quad, then the item's rows out.  ``shift``/``gmask`` map MMA
         row r to (token ``r >> shift``, q head ``head_base + (r & gmask)``)."""
         for slot in cutlass.range_constexpr(2):
@@ -24,8 +24,9 @@ class Sm90Epilogue:
         row0 = tOcO[0][0]
         poff = mPartialOffsets[it]
         if poff < 0:
-            self._store_out(acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size,
-                            mQSL[b] + q_start, head_base, shift, gmask)
+            self._store_out(acc_o, tOcO, row_max, row_sum, mO, mSinks2, row0, q_cnt,
+                            group_size, mQSL[b] + q_start, head_base, shift, gmask,
+                            scale_log2)
         else:
             # packed items: poff + row; unpacked items: chunked rows from poff = base + q
             # head, the item's split index, split count and token count; this warpgroup's
@@ -41,10 +42,11 @@ class Sm90Epilogue:
                                 mWork[it, W.QLEN])
 
     @cute.jit
-    def _store_out(self, acc_o, tOcO, row_sum, mO, row0, q_cnt, group_size, tok_base,
-                   head_base, shift, gmask):
+    def _store_out(self, acc_o, tOcO, row_max, row_sum, mO, mSinks2, row0, q_cnt,
+                   group_size, tok_base, head_base, shift, gmask, scale_log2):
         """O / l as 16-bit pairs: elements e, e+1 are columns c, c+1 of one row (4-byte
-        store)."""
+        store).  l includes the q head's attention sink: exp2(sink2 - m * scale_log2) in
+        the units of row_sum (-inf: none adds 0; capped at 2^126 so l stays finite)."""
         mO_pairs = cute.recast_tensor(mO, cutlass.Uint32)   # (T, Hq, D/2)
         pair = cute.make_rmem_tensor((2,), self.dtype)
         pair_word = cute.recast_tensor(pair, cutlass.Uint32)
@@ -53,8 +55,14 @@ class Sm90Epilogue:
             t_local = row >> shift
             g = row & gmask
             inv = cutlass.Float32(0.0)
-            if row_sum[slot] > 0.0:
-                inv = cute.arch.rcp_approx(row_sum[slot])
+            l_row = row_sum[slot]
+            if g < group_size:
+                m2 = row_max[slot] * scale_log2
+                l_row = l_row + cute.math.exp2(
+                    cute.arch.fmin(mSinks2[head_base + g] - m2, cutlass.Float32(126.0)),
+                    fastmath=True)
+            if l_row > 0.0:
+                inv = cute.arch.rcp_approx(l_row)
             if t_local < q_cnt:
                 if g < group_size:
                     tok = tok_base + t_local

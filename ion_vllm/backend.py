@@ -56,9 +56,10 @@ def _kernels():
     from types import SimpleNamespace
 
     from cute_kernels.append_sm90 import kv_append
-    from cute_kernels.attention import ion_attention
+    from cute_kernels.attention import ion_attention, sink_log2
 
-    return SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
+    return SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention,
+                           sink_log2=sink_log2)
 
 
 def _planner():
@@ -413,8 +414,13 @@ class IonAttentionBackend(AttentionBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return validation.attn_type_reason(attn_type) is None
 
-    # MLA, sparse attention, sinks, sliding window, non-causal attention and multimodal
-    # prefixes: AttentionBackend's defaults already say no (validation gives the reasons)
+    @classmethod
+    def supports_sink(cls) -> bool:
+        """gpt-oss's per-head attention sinks (``ion_attention(sinks_log2=)``)."""
+        return True
+
+    # MLA, sparse attention, sliding window, non-causal attention and multimodal prefixes:
+    # AttentionBackend's defaults already say no (validation gives the reasons)
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
@@ -466,6 +472,8 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention soft cap
+        self.sinks = sinks  # gpt-oss: per-head logits, loaded into this tensor later
+        self._sinks_log2 = None  # their kernel form, made at the first forward
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
@@ -491,6 +499,9 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
 
         kernels = _kernels()
         n = attn_metadata.num_actual_tokens
+        if self.sinks is not None and self._sinks_log2 is None:
+            # after the weights are loaded (the profile run comes first), before capture
+            self._sinks_log2 = kernels.sink_log2(self.sinks)
         k_cache = kv_cache[:, 0]
         v_cache = kv_cache[:, 1]
         plan = attn_metadata.plan
@@ -501,7 +512,8 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
             kernels.ion_attention(
                 query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
-                key=key[:n], value=value[:n], softcap=self.softcap)
+                key=key[:n], value=value[:n], softcap=self.softcap,
+                sinks_log2=self._sinks_log2)
             return output
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.kv_append(key[:n], value[:n], k_cache, v_cache,
@@ -511,7 +523,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         kernels.ion_attention(
             query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
-            softcap=self.softcap)
+            softcap=self.softcap, sinks_log2=self._sinks_log2)
         return output
 
 

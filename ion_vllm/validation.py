@@ -170,8 +170,7 @@ def backend_config_reasons(
                        f"not supported -- {_FALLBACK}")
     if use_sparse:
         reasons.append(f"{BACKEND_NAME}: sparse attention is not supported -- {_FALLBACK}")
-    if has_sink:
-        reasons.append(f"{BACKEND_NAME}: attention sinks are not supported -- {_FALLBACK}")
+    del has_sink  # attention sinks are supported (gpt-oss)
     if has_sliding_window:
         reasons.append(f"{BACKEND_NAME}: sliding-window attention is not supported -- "
                        f"{_FALLBACK}")
@@ -219,8 +218,7 @@ def layer_config_reasons(
     if logits_soft_cap is not None and not logits_soft_cap >= 0:
         reasons.append(f"{BACKEND_NAME}: logits soft cap ({logits_soft_cap}) must be a "
                        f"number >= 0 (0: none)")
-    if has_sinks:
-        reasons.append(f"{BACKEND_NAME}: attention sinks are not supported -- {_FALLBACK}")
+    del has_sinks  # attention sinks are supported (gpt-oss)
     return [r for r in reasons if r is not None]
 
 

@@ -52,8 +52,12 @@ MAX_KV = 32768
 MAX_CHUNK = 2048
 GQA_RATIOS = (1, 4, 7, 8, 12, 16)
 HEAD_DIMS = (64, 128)
-#: the logits soft cap of the cases that have one (Gemma 2's attention cap)
-SOFTCAP = 50.0
+#: logits soft caps of the cases that have one: Gemma 2's 50, and caps that bite on the
+#: sweep's random scores (|s * scale| of a few units)
+SOFTCAPS = (1.5, 4.0, 50.0)
+#: sliding windows of the cases that have one: below, at and above a page, gpt-oss's 128,
+#: Gemma 3's 1024, Mistral's 4096
+WINDOWS = (1, 17, 63, 64, 65, 128, 300, 1024, 4096)
 #: cases over which every (GQA ratio, head size) pair comes once
 CYCLE = len(GQA_RATIOS) * len(HEAD_DIMS)
 DEFAULT_CASES = 1000
@@ -79,6 +83,8 @@ class SweepCase:
     slot_dtype: str  # "int64" | "int32"
     tags: List[str]
     softcap: float = 0.0  # logits soft cap (0: none)
+    window: int = 0  # sliding window in tokens (0: none)
+    sinks: bool = False  # per-q-head attention sinks (drawn from the case seed)
 
     @property
     def g(self) -> int:
@@ -212,13 +218,19 @@ def make_case(index: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
         tags.append("pad_rows")
     # a quarter of the cases with a soft cap (Gemma 2: 50), drawn last so the shapes of
     # every case stay what they were without it
-    softcap = SOFTCAP if random.Random(case_seed ^ 0x5EED).random() < 0.25 else 0.0
-    if softcap:
-        tags.append("softcap")
+    feat = random.Random(case_seed ^ 0x5EED)
+    softcap = feat.choice(SOFTCAPS) if feat.random() < 0.25 else 0.0
+    # a quarter with a sliding window (below, at, above a page, and model sizes), a quarter
+    # with sinks: the combinations real models use come up together
+    window = feat.choice(WINDOWS) if feat.random() < 0.25 else 0
+    sinks = feat.random() < 0.25
+    for on, tag in ((softcap, "softcap"), (window, "window"), (sinks, "sinks")):
+        if on:
+            tags.append(tag)
     return SweepCase(index=index, seed=case_seed, q_lens=q_lens, seq_lens=seq_lens,
                      hq=g * hkv, hkv=hkv, d=d, dtype=dtype, pad_rows=pad,
                      slot_dtype="int32" if index % 3 == 2 else "int64", tags=tags,
-                     softcap=softcap)
+                     softcap=softcap, window=window, sinks=sinks)
 
 
 def make_cases(n: int, seed: int, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
@@ -279,6 +291,12 @@ def case_path(case: SweepCase) -> tuple[str, int]:
             TILE_MS[(case.index // (2 * CYCLE)) % len(TILE_MS)])
 
 
+def impl_sink_log2(sinks):
+    """Sink logits as the kernels take them (cute_kernels.attention.sink_log2's formula,
+    kept here so an injected ``impl`` needs no CuTeDSL)."""
+    return sinks.float() * (1.0 / math.log(2.0))
+
+
 def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: bool,
               tile_m: int):
     """The device plan for one case (planned here so it can force splits and record how
@@ -289,7 +307,7 @@ def make_plan(case: SweepCase, qsl, sl, device, *, force_split: bool, fresh_kv: 
     cm = CostModel(head_dim=case.d, **FORCED_SPLIT) if force_split else None
     return make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=case.hkv, group_size=case.g,
                             head_dim=case.d, device=device, fresh_kv=fresh_kv, tile_m=tile_m,
-                            cost_model=cm)
+                            cost_model=cm, window=case.window)
 
 
 def cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt, seq_lens) -> bool:
@@ -374,6 +392,14 @@ def run_case(case: SweepCase, device, fault: str = "none", impl=None,
         _sync(device)
         t1 = time.perf_counter()
         cap = {"softcap": case.softcap} if case.softcap else {}
+        if case.window:
+            cap["window"] = case.window
+        ref_feat = dict(cap)
+        if case.sinks:  # logits of the size gpt-oss learns (a few units, either sign)
+            sg = torch.Generator(device="cpu").manual_seed(case.seed + 2)
+            sinks = (torch.randn(case.hq, generator=sg) * 2.0).to(device)
+            ref_feat["sinks"] = sinks
+            cap["sinks_log2"] = impl_sink_log2(sinks)
         if fused:
             impl.ion_attention(q, kc, vc, out, qsl, sl, kernel_bt, scale, plan=plan,
                                key=key, value=value, **cap)
@@ -385,9 +411,9 @@ def run_case(case: SweepCase, device, fault: str = "none", impl=None,
             cache_ok = cache_matches(kc, vc, ref_k, ref_v, orig_k, orig_v, bt.cpu(),
                                      case.seq_lens)
 
-        ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale, **cap)
+        ref = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale, **ref_feat)
         pt = reference_paged_attention(q, ref_k, ref_v, qsl, sl, bt, scale,
-                                       compute_dtype=dtype, **cap)
+                                       compute_dtype=dtype, **ref_feat)
         mask = written_rows_mask(qsl, sl, total_q).to(device)
         written = out[mask]
         nan_in_written = bool(torch.isnan(written).any())

@@ -364,18 +364,21 @@ def test_ion_attention_launches_the_kernel_of_the_plan(launches, fused):
             [("combine", want)] if dp.num_groups else [])
         a = launches[0][2]
         # (q, [key, value,] k_cache, v_cache, out, qsl, seq_lens, block_table, work,
-        #  cta_offsets, partial_offsets, partial_o, partial_lse, G, scale * log2(e),
-        #  softcap, scale / softcap, window, ctas)
+        #  cta_offsets, partial_offsets, partial_o, partial_lse, sinks_log2, G,
+        #  scale * log2(e), softcap, scale / softcap, window, ctas)
         rest = a[3:] if fused else a[1:]
         assert a[0] is q and (not fused or (a[1] is kw["key"] and a[2] is kw["value"]))
         assert rest[:6] == args[1:3] + (q,) + args[4:7]
         assert rest[6] is dp.work and rest[7] is dp.cta_offsets and rest[8] is dp.partial_offsets
         assert rest[9] is dp.partial_o and rest[10] is dp.partial_lse
+        assert rest[11].shape == (28,) and torch.isneginf(rest[11]).all()  # no sinks
+        rest = rest[:11] + rest[12:]
         assert rest[11] == 7 and rest[12] == pytest.approx(0.125 * attention.LOG2_E)
         assert rest[13:16] == (0.0, 0.0, 0) and rest[16] == dp.num_ctas
         launches.clear()  # a soft cap moves the scale inside tanh
         attention.ion_attention(*args, plan=dp, softcap=50.0, **kw)
         rest = launches[0][2][3:] if fused else launches[0][2][1:]
+        rest = rest[:11] + rest[12:]
         assert rest[12] == pytest.approx(attention.LOG2_E)
         assert rest[13:15] == (50.0, pytest.approx(0.125 / 50.0))
         # a window needs a plan pruned to it
@@ -384,8 +387,16 @@ def test_ion_attention_launches_the_kernel_of_the_plan(launches, fused):
         wp = make_device_plan(qsl, sl, num_kv_heads=4, group_size=7, head_dim=128,
                               device="cpu", tile_m=tile_m, fresh_kv=fused, window=128)
         launches.clear()
-        attention.ion_attention(*args, plan=wp, window=128, **kw)
-        assert (launches[0][2][3:] if fused else launches[0][2][1:])[15] == 128
+        sinks = torch.linspace(-2.0, 2.0, 28)
+        attention.ion_attention(*args, plan=wp, window=128, sinks_log2=attention.sink_log2(sinks),
+                                **kw)
+        rest = launches[0][2][3:] if fused else launches[0][2][1:]
+        assert rest[16] == 128
+        assert torch.allclose(rest[11], sinks * attention.LOG2_E)
+        if dp.num_groups:  # the combine merges with the same sinks
+            assert launches[1][2][5] is rest[11]
+        with pytest.raises(ValueError, match="sinks_log2"):
+            attention.ion_attention(*args, plan=wp, window=128, sinks_log2=sinks[:4], **kw)
 
 
 def test_ion_attention_combine_and_plan_rules(launches):
@@ -398,7 +409,8 @@ def test_ion_attention_combine_and_plan_rules(launches):
     attention.ion_attention(*args, plan=split, **kw)
     assert [k for k, _, _ in launches] == ["attn", "combine"]
     comb = launches[1][2]
-    assert comb[0] is q and comb[2] is split.combine and comb[5:] == (7, split.num_ctas)
+    assert comb[0] is q and comb[2] is split.combine and comb[6:] == (7, split.num_ctas)
+    assert torch.isneginf(comb[5]).all()  # no sinks
     # no split groups: the combine runs only when the plan says always (graph capture)
     launches.clear()
     plain = make_device_plan(qsl, np.array([100], np.int32), num_kv_heads=4, group_size=7,

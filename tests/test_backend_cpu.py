@@ -11,6 +11,7 @@ conftest.py) and tiny Qwen2 ``config.json`` files written under pytest's tmp dir
 from __future__ import annotations
 
 import json
+import math
 import os
 import types
 
@@ -177,7 +178,8 @@ def test_backend_identity_and_flags():
     assert IonAttentionBackend.get_builder_cls() is IonAttentionMetadataBuilder
     assert IonAttentionMetadataBuilder._cudagraph_support is AttentionCGSupport.ALWAYS
     assert IonAttentionMetadataBuilder.reorder_batch_threshold is None
-    for flag in ("is_mla", "is_sparse", "supports_sink", "supports_sliding_window",
+    assert IonAttentionBackend.supports_sink() is True  # gpt-oss
+    for flag in ("is_mla", "is_sparse", "supports_sliding_window",
                  "supports_non_causal", "supports_mm_prefix"):
         assert getattr(IonAttentionBackend, flag)() is False, flag
     assert IonAttentionBackend.supports_batch_invariance() is True
@@ -562,7 +564,6 @@ def test_plan_reuse_is_per_tile_size(make_config):
 BAD_LAYERS = [
     (dict(sliding_window=4096), "sliding window"),
     (dict(logits_soft_cap=float("nan")), "soft cap"),
-    (dict(sinks=torch.zeros(8)), "sinks"),
     (dict(alibi_slopes=[0.1] * 8), "ALiBi"),
     (dict(num_heads=256, num_kv_heads=8), "GQA ratio 32"),
     (dict(num_heads=136, num_kv_heads=8), "GQA ratio 17"),
@@ -604,7 +605,7 @@ def reference_kernels(calls):
         reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
 
     def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None,
-                      key=None, value=None, softcap=0.0):
+                      key=None, value=None, softcap=0.0, sinks_log2=None):
         rows = int(qsl[-1])
         if key is not None:  # eager writeback: the launch itself writes the new K/V
             assert plan.fresh_kv, "fused call with a page plan"
@@ -615,11 +616,15 @@ def reference_kernels(calls):
         else:
             assert not plan.fresh_kv, "plain call with a fused plan"
             calls.append(("ion_attention", q.shape[0], plan))
+        sinks = None if sinks_log2 is None else sinks_log2 / math.log2(math.e)
         ref = reference_paged_attention(q[:rows], k_cache, v_cache, qsl, seq_lens,
-                                        block_table, scale, softcap=softcap)
+                                        block_table, scale, softcap=softcap, sinks=sinks)
         out[:rows] = ref.to(out.dtype)
 
-    return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention)
+    from cute_kernels.attention import sink_log2
+
+    return types.SimpleNamespace(kv_append=kv_append, ion_attention=ion_attention,
+                                 sink_log2=sink_log2)
 
 
 @pytest.mark.parametrize("policy", ["default", "batch-invariant", "kv-sharing"])

@@ -69,11 +69,16 @@ def test_coverage(default_cases):
     assert max(q for q, _ in rows) >= 1900
     assert sum(1 for c in cs if c.pad_rows > 0) >= 30
     assert {"decode", "prefill", "chunk", "zero_new", "empty", "page_boundary", "long",
-            "pad_rows", "softcap"} <= {t for c in cs for t in c.tags}
+            "pad_rows", "softcap", "window", "sinks"} <= {t for c in cs for t in c.tags}
+    assert {c.window for c in cs} == {0, *sw.WINDOWS}
+    # gpt-oss (sinks + window + d64) and Gemma 2 (soft cap + window) combinations occur
+    assert any(c.sinks and c.window and c.d == 64 for c in cs)
+    assert any(c.softcap and c.window for c in cs)
     # a quarter soft-capped, on every GQA ratio, head size and path
     capped = [c for c in cs if c.softcap]
     assert 0.18 * len(cs) < len(capped) < 0.32 * len(cs)
-    assert all(c.softcap == sw.SOFTCAP and "softcap" in c.tags for c in capped)
+    assert all(c.softcap in sw.SOFTCAPS and "softcap" in c.tags for c in capped)
+    assert {c.softcap for c in capped} == set(sw.SOFTCAPS)
     assert {(c.g, c.d, sw.case_path(c)[0]) for c in capped} == {
         (g, d, p) for g in sw.GQA_RATIOS for d in sw.HEAD_DIMS for p in sw.PATHS}
 
@@ -137,14 +142,18 @@ def _ref_impl(**overrides):
     from cute_kernels.reference import reference_kv_append, reference_paged_attention, \
         written_rows_mask
 
-    def ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None):
+    def ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None,
+                      softcap=0.0, window=0, sinks_log2=None):
         if key is not None:  # fused path: this call writes the new K/V itself
             from cute_kernels.reference import new_token_slot_mapping
 
             assert plan is not None and plan.fresh_kv
             reference_kv_append(key, value, kc, vc,
                                 new_token_slot_mapping(qsl, sl, bt, sw.PAGE, q.shape[0]))
-        ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale)
+        assert plan is None or plan.window == window, "plan pruned for another window"
+        sinks = None if sinks_log2 is None else sinks_log2 * math.log(2.0)
+        ref = reference_paged_attention(q, kc, vc, qsl, sl, bt, scale, softcap=softcap,
+                                        window=window or None, sinks=sinks)
         m = written_rows_mask(qsl, sl, q.shape[0])
         out[m] = ref[m].to(out.dtype)
 
@@ -157,7 +166,12 @@ def _ref_impl(**overrides):
 SMALL = sw.make_cases(12, 11, max_kv_tokens=1500)
 
 
-@pytest.mark.parametrize("case", SMALL[:6], ids=lambda c: f"case{c.index}")
+FEATURED = [c for c in sw.make_cases(400, 11, max_kv_tokens=1500)
+            if c.window or c.sinks or c.softcap][:6]
+
+
+@pytest.mark.parametrize("case", SMALL[:6] + FEATURED,
+                         ids=lambda c: f"case{c.index}-{'-'.join(t for t in c.tags if t in ('window', 'sinks', 'softcap'))}")
 def test_run_case_reference_impl_passes(case):
     r = sw.run_case(case, "cpu", impl=_ref_impl())
     assert r["error"] is None, r.get("traceback")
@@ -167,7 +181,8 @@ def test_run_case_reference_impl_passes(case):
 
 def test_run_case_detects_bugs():
     from cute_kernels.reference import reference_kv_append
-    case = next(c for c in SMALL if c.pad_rows > 0 or 0 in c.q_lens)
+    case = next(c for c in SMALL if (c.pad_rows > 0 or 0 in c.q_lens)
+                and not (c.window or c.sinks or c.softcap))
     base = _ref_impl()
 
     def attn_touches_all(q, kc, vc, out, qsl, sl, bt, scale, plan=None):
@@ -310,3 +325,28 @@ def test_cli_list_and_help():
     h = subprocess.run([sys.executable, PATH, "--help"], capture_output=True, text=True,
                        timeout=120)
     assert h.returncode == 0 and "--cases" in h.stdout and "--fault" in h.stdout
+
+
+@pytest.mark.parametrize("feature", ["window", "sinks", "softcap"])
+def test_a_kernel_that_ignores_a_feature_fails_its_cases(feature):
+    """The featured cases really test the feature: an implementation that drops it fails."""
+    def bites(c):  # the feature changes this case's answer
+        if feature == "window":
+            return 0 < c.window < max(c.seq_lens) - 1
+        return c.softcap < 10 if feature == "softcap" else True
+
+    cases = [c for c in sw.make_cases(600, 13, max_kv_tokens=1500)
+             if getattr(c, feature) and bites(c) and sum(c.seq_lens) > 300][:3]
+    assert cases
+    base = _ref_impl()
+
+    def drops(q, kc, vc, out, qsl, sl, bt, scale, plan=None, key=None, value=None, **kw):
+        kw.pop({"window": "window", "sinks": "sinks_log2", "softcap": "softcap"}[feature])
+        if feature == "window":
+            plan.window = 0  # the plan check would catch it first: test the output
+        base.ion_attention(q, kc, vc, out, qsl, sl, bt, scale, plan=plan, key=key,
+                           value=value, **kw)
+
+    results = [sw.run_case(c, "cpu", impl=_ref_impl(ion_attention=drops), path="append")
+               for c in cases]
+    assert not any(r["pass"] for r in results), [r.get("error") for r in results]

@@ -32,7 +32,6 @@ BAD_BACKEND = [
     (dict(block_size=32), "--block-size 32", "--block-size 64"),
     (dict(block_size=96), "--block-size 96", "--block-size 64"),
     (dict(has_sliding_window=True), "sliding-window", "FLASH_ATTN"),
-    (dict(has_sink=True), "sinks", "FLASH_ATTN"),
     (dict(use_mla=True), "MLA", "FLASH_ATTN"),
     (dict(use_sparse=True), "sparse", "FLASH_ATTN"),
     (dict(attn_type="encoder_only"), "encoder_only", "FLASH_ATTN"),
@@ -51,6 +50,7 @@ def test_good_backend_config_has_no_reasons():
                dict(kv_cache_dtype="bfloat16"), dict(kv_cache_dtype=None),
                dict(dtype=torch.float16, kv_cache_dtype="float16"),
                dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True),
+               dict(has_sink=True),
                dict(use_batch_invariant=True)):
         assert backend_config_reasons(**{**GOOD, **ok}) == [], ok
 
@@ -96,7 +96,6 @@ BAD_LAYER = [
     (dict(alibi_slopes=[0.5] * 28), "ALiBi"),
     (dict(sliding_window=4096), "sliding window (4096)"),
     (dict(logits_soft_cap=-1.0), "soft cap"),
-    (dict(has_sinks=True), "sinks"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2"),
     (dict(attn_type="encoder_decoder"), "encoder_decoder"),
 ]
@@ -106,7 +105,7 @@ def test_good_layers_pass():
     for ok in (GOOD_LAYER, dict(num_heads=32, num_kv_heads=32, head_size=64),
                dict(num_heads=32, num_kv_heads=4, head_size=128),
                dict(num_heads=7, num_kv_heads=1, head_size=64),
-               dict(GOOD_LAYER, logits_soft_cap=0.0),
+               dict(GOOD_LAYER, logits_soft_cap=0.0), dict(GOOD_LAYER, has_sinks=True),
                dict(GOOD_LAYER, logits_soft_cap=50.0)):  # Gemma 2
         assert validation.layer_config_reasons(**ok) == [], ok
         check_layer(**ok)
