@@ -183,6 +183,9 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         scheduler_config = vllm_config.scheduler_config
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
+        # a sliding-window KV group (vLLM gives local layers their own SlidingWindowSpec
+        # group and builder): its plans leave out the pages outside every query's window
+        self.window = int(getattr(kv_cache_spec, "sliding_window", None) or 0)
         self.num_q_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
                             or model_config.get_num_attention_heads(vllm_config.parallel_config))
         self.group_size = self.num_q_heads // self.num_kv_heads
@@ -265,7 +268,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
             num_ctas=self.num_ctas[tile_m], tile_m=tile_m, allow_split=p.allow_split,
             max_splits=self.max_splits,
             max_partial_rows=self.partial_rows,
-            fresh_kv=p.fresh_kv, unpacked_prefill=p.unpacked)
+            fresh_kv=p.fresh_kv, unpacked_prefill=p.unpacked, window=self.window)
 
     @staticmethod
     def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
@@ -415,11 +418,17 @@ class IonAttentionBackend(AttentionBackend):
         return validation.attn_type_reason(attn_type) is None
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Per-layer sliding windows, local and global layers mixed (vLLM's hybrid KV
+        groups): pruned by the planner, masked at the edge by the kernel."""
+        return True
+
+    @classmethod
     def supports_sink(cls) -> bool:
         """gpt-oss's per-head attention sinks (``ion_attention(sinks_log2=)``)."""
         return True
 
-    # MLA, sparse attention, sliding window, non-causal attention and multimodal prefixes:
+    # MLA, sparse attention, non-causal attention and multimodal prefixes:
     # AttentionBackend's defaults already say no (validation gives the reasons)
 
     @classmethod
@@ -472,6 +481,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.softcap = float(logits_soft_cap or 0.0)  # Gemma 2's attention soft cap
+        self.window = int(sliding_window or 0)  # tokens; its builder plans with the same
         self.sinks = sinks  # gpt-oss: per-head logits, loaded into this tensor later
         self._sinks_log2 = None  # their kernel form, made at the first forward
         self.attn_type = attn_type
@@ -513,7 +523,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
                 query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
                 attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
                 key=key[:n], value=value[:n], softcap=self.softcap,
-                sinks_log2=self._sinks_log2)
+                sinks_log2=self._sinks_log2, window=self.window)
             return output
         if self.kv_sharing_target_layer_name is None and key is not None:
             kernels.kv_append(key[:n], value[:n], k_cache, v_cache,
@@ -523,7 +533,7 @@ class IonAttentionImpl(AttentionImpl[IonAttentionMetadata]):
         kernels.ion_attention(
             query[:n], k_cache, v_cache, output[:n], attn_metadata.query_start_loc,
             attn_metadata.seq_lens, attn_metadata.block_table, self.scale, plan=plan,
-            softcap=self.softcap, sinks_log2=self._sinks_log2)
+            softcap=self.softcap, sinks_log2=self._sinks_log2, window=self.window)
         return output
 
 

@@ -171,9 +171,7 @@ def backend_config_reasons(
     if use_sparse:
         reasons.append(f"{BACKEND_NAME}: sparse attention is not supported -- {_FALLBACK}")
     del has_sink  # attention sinks are supported (gpt-oss)
-    if has_sliding_window:
-        reasons.append(f"{BACKEND_NAME}: sliding-window attention is not supported -- "
-                       f"{_FALLBACK}")
+    del has_sliding_window  # per-layer sliding windows are supported
     if use_mm_prefix:
         reasons.append(f"{BACKEND_NAME}: bidirectional multimodal-prefix attention is not "
                        f"supported -- {_FALLBACK}")
@@ -212,9 +210,10 @@ def layer_config_reasons(
     if alibi_slopes is not None:
         reasons.append(f"{BACKEND_NAME}: ALiBi position biases are not supported -- "
                        f"{_FALLBACK}")
-    if sliding_window is not None:
-        reasons.append(f"{BACKEND_NAME}: sliding window ({sliding_window}) is not supported "
-                       f"-- {_FALLBACK}")
+    if sliding_window is not None and not (isinstance(sliding_window, int)
+                                           and sliding_window >= 1):
+        reasons.append(f"{BACKEND_NAME}: sliding window ({sliding_window}) must be a token "
+                       f"count >= 1")
     if logits_soft_cap is not None and not logits_soft_cap >= 0:
         reasons.append(f"{BACKEND_NAME}: logits soft cap ({logits_soft_cap}) must be a "
                        f"number >= 0 (0: none)")

@@ -179,7 +179,8 @@ def test_backend_identity_and_flags():
     assert IonAttentionMetadataBuilder._cudagraph_support is AttentionCGSupport.ALWAYS
     assert IonAttentionMetadataBuilder.reorder_batch_threshold is None
     assert IonAttentionBackend.supports_sink() is True  # gpt-oss
-    for flag in ("is_mla", "is_sparse", "supports_sliding_window",
+    assert IonAttentionBackend.supports_sliding_window() is True
+    for flag in ("is_mla", "is_sparse",
                  "supports_non_causal", "supports_mm_prefix"):
         assert getattr(IonAttentionBackend, flag)() is False, flag
     assert IonAttentionBackend.supports_batch_invariance() is True
@@ -232,8 +233,8 @@ def test_validate_configuration_reasons():
     assert V(**good) == [] and V(**good, use_batch_invariant=True, use_kv_connector=True) == []
     reasons = V(**{**good, "head_size": 80, "block_size": 16, "use_mla": True},
                 has_sliding_window=True, use_pcp=True)
-    assert len(reasons) == 5 and all(r.startswith("ION:") for r in reasons)
-    for what in ("head size 80", "--block-size 16", "MLA", "sliding-window", "context parallel"):
+    assert len(reasons) == 4 and all(r.startswith("ION:") for r in reasons)
+    for what in ("head size 80", "--block-size 16", "MLA", "context parallel"):
         assert any(what in r for r in reasons), what
 
 
@@ -562,7 +563,7 @@ def test_plan_reuse_is_per_tile_size(make_config):
 
 # ------------------------------------------------------------------------------ impl
 BAD_LAYERS = [
-    (dict(sliding_window=4096), "sliding window"),
+    (dict(sliding_window=-1), "sliding window"),
     (dict(logits_soft_cap=float("nan")), "soft cap"),
     (dict(alibi_slopes=[0.1] * 8), "ALiBi"),
     (dict(num_heads=256, num_kv_heads=8), "GQA ratio 32"),
@@ -605,7 +606,7 @@ def reference_kernels(calls):
         reference_kv_append(key, value, k_cache, v_cache, slot_mapping)
 
     def ion_attention(q, k_cache, v_cache, out, qsl, seq_lens, block_table, scale, plan=None,
-                      key=None, value=None, softcap=0.0, sinks_log2=None):
+                      key=None, value=None, softcap=0.0, sinks_log2=None, window=0):
         rows = int(qsl[-1])
         if key is not None:  # eager writeback: the launch itself writes the new K/V
             assert plan.fresh_kv, "fused call with a page plan"
@@ -617,8 +618,10 @@ def reference_kernels(calls):
             assert not plan.fresh_kv, "plain call with a fused plan"
             calls.append(("ion_attention", q.shape[0], plan))
         sinks = None if sinks_log2 is None else sinks_log2 / math.log2(math.e)
+        assert plan.window == window, "the builder planned for another window"
         ref = reference_paged_attention(q[:rows], k_cache, v_cache, qsl, seq_lens,
-                                        block_table, scale, softcap=softcap, sinks=sinks)
+                                        block_table, scale, softcap=softcap, sinks=sinks,
+                                        window=window or None)
         out[:rows] = ref.to(out.dtype)
 
     from cute_kernels.attention import sink_log2
@@ -627,7 +630,8 @@ def reference_kernels(calls):
                                  sink_log2=sink_log2)
 
 
-@pytest.mark.parametrize("policy", ["default", "batch-invariant", "kv-sharing"])
+@pytest.mark.parametrize("policy", ["default", "batch-invariant", "kv-sharing", "window",
+                                    "sinks"])
 def test_forward_writes_the_cache_and_attends(make_config, monkeypatch, policy):
     """forward over a padded mixed batch: the default makes one launch that writes the new
     K/V and attends; batch invariance runs kv_append, then the attention; a KV-sharing
@@ -657,9 +661,19 @@ def test_forward_writes_the_cache_and_attends(make_config, monkeypatch, policy):
                 kv_cache[s // P, :, :, s % P] = 1e4
     if policy == "kv-sharing":
         kv_cache = truth.clone()  # the target layer wrote the new K/V already
-    md = builder_for(make_config()).build(0, cm)
+    window = 40 if policy == "window" else None  # a local layer: its own KV group
+    spec = None
+    if window:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        spec = SlidingWindowSpec(block_size=P, num_kv_heads=HKV, head_size=D,
+                                 dtype=torch.bfloat16, sliding_window=window)
+    md = builder_for(make_config(), spec).build(0, cm)
+    assert md.plan.window == (window or 0)
     target = "model.layers.0.attn" if policy == "kv-sharing" else None
-    impl = IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name=target)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if policy == "sinks" else None
+    impl = IonAttentionImpl(HQ, D, 0.125, HKV, kv_sharing_target_layer_name=target,
+                            sliding_window=window, sinks=sinks)
     # query as a strided view, like q out of a fused qkv projection
     qkv = torch.cat([case.q.reshape(n, -1), torch.zeros(n, 2 * HKV * D, dtype=torch.bfloat16)],
                     dim=1)
@@ -668,8 +682,8 @@ def test_forward_writes_the_cache_and_attends(make_config, monkeypatch, policy):
     output = torch.full((n, HQ, D), 7.0, dtype=torch.bfloat16)
     assert impl.forward(None, query, key, value, kv_cache, md, output) is output
 
-    want = {"default": ["ion_attention+kv"], "batch-invariant": ["kv_append", "ion_attention"],
-            "kv-sharing": ["ion_attention"]}[policy]
+    want = {"batch-invariant": ["kv_append", "ion_attention"],
+            "kv-sharing": ["ion_attention"]}.get(policy, ["ion_attention+kv"])
     assert [c[0] for c in calls] == want
     # every launch gets the step's num_actual_tokens rows (padding slots are -1)
     assert calls[-1][2] is md.plan and all(c[1] == n == md.num_actual_tokens for c in calls)
@@ -677,8 +691,14 @@ def test_forward_writes_the_cache_and_attends(make_config, monkeypatch, policy):
     rows = int(cm.query_start_loc_cpu[-1])
     assert torch.all(output[rows:] == 7.0)  # padding rows untouched
     ref = reference_paged_attention(case.q[:rows], truth[:, 0], truth[:, 1],
-                                    cm.query_start_loc, cm.seq_lens, case.block_table, 0.125)
+                                    cm.query_start_loc, cm.seq_lens, case.block_table, 0.125,
+                                    window=window, sinks=sinks)
     torch.testing.assert_close(output[:rows].float(), ref, rtol=2e-2, atol=2e-2)
+    if window or sinks is not None:  # the feature changed the answer
+        plain = reference_paged_attention(case.q[:rows], truth[:, 0], truth[:, 1],
+                                          cm.query_start_loc, cm.seq_lens, case.block_table,
+                                          0.125)
+        assert (ref - plain).abs().max() > 0.05
 
 
 def test_forward_without_metadata_and_refused_output_quantization():

@@ -31,7 +31,6 @@ BAD_BACKEND = [
     (dict(block_size=16), "--block-size 16", "--block-size 64"),
     (dict(block_size=32), "--block-size 32", "--block-size 64"),
     (dict(block_size=96), "--block-size 96", "--block-size 64"),
-    (dict(has_sliding_window=True), "sliding-window", "FLASH_ATTN"),
     (dict(use_mla=True), "MLA", "FLASH_ATTN"),
     (dict(use_sparse=True), "sparse", "FLASH_ATTN"),
     (dict(attn_type="encoder_only"), "encoder_only", "FLASH_ATTN"),
@@ -50,7 +49,7 @@ def test_good_backend_config_has_no_reasons():
                dict(kv_cache_dtype="bfloat16"), dict(kv_cache_dtype=None),
                dict(dtype=torch.float16, kv_cache_dtype="float16"),
                dict(block_size=64), dict(block_size=128), dict(use_kv_connector=True),
-               dict(has_sink=True),
+               dict(has_sink=True), dict(has_sliding_window=True),
                dict(use_batch_invariant=True)):
         assert backend_config_reasons(**{**GOOD, **ok}) == [], ok
 
@@ -81,9 +80,9 @@ def test_backend_validate_configuration_matches_vllm_selector_signature():
         **good._replace(head_size=80, kv_cache_dtype="fp8", block_size=16,
                         has_sliding_window=True)._asdict())
     joined = "\n".join(reasons)
-    for what in ("sm_86", "head size 80", "'fp8'", "--block-size 16", "sliding-window"):
+    for what in ("sm_86", "head size 80", "'fp8'", "--block-size 16"):
         assert what in joined
-    assert len(reasons) == 5
+    assert len(reasons) == 4  # sliding windows are supported
 
 
 GOOD_LAYER = dict(num_heads=28, num_kv_heads=4, head_size=128)
@@ -94,7 +93,7 @@ BAD_LAYER = [
     (dict(num_heads=30, num_kv_heads=4), "not a multiple"),
     (dict(head_size=80), "head size 80"),
     (dict(alibi_slopes=[0.5] * 28), "ALiBi"),
-    (dict(sliding_window=4096), "sliding window (4096)"),
+    (dict(sliding_window=0), "sliding window (0)"),
     (dict(logits_soft_cap=-1.0), "soft cap"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2"),
     (dict(attn_type="encoder_decoder"), "encoder_decoder"),
@@ -106,6 +105,7 @@ def test_good_layers_pass():
                dict(num_heads=32, num_kv_heads=4, head_size=128),
                dict(num_heads=7, num_kv_heads=1, head_size=64),
                dict(GOOD_LAYER, logits_soft_cap=0.0), dict(GOOD_LAYER, has_sinks=True),
+               dict(GOOD_LAYER, sliding_window=4096), dict(GOOD_LAYER, sliding_window=128),
                dict(GOOD_LAYER, logits_soft_cap=50.0)):  # Gemma 2
         assert validation.layer_config_reasons(**ok) == [], ok
         check_layer(**ok)
