@@ -77,11 +77,14 @@ def _case_id(c):
 
 
 def _run(dtype, d, hq, hkv, tile_m, fused, shape, seed, batch_invariant=False,
-         spare_pages=None):
+         spare_pages=None, features=None):
     """Inputs of one case, the kernel's output and cache, and the fp32 reference.
     ``spare_pages``: that many pages beside the used ones, and the used ones moved to the
-    top block ids of the cache."""
-    from cute_kernels import ion_attention, make_device_plan
+    top block ids of the cache.  ``features``: the reference's ``window`` / ``softcap`` /
+    ``sinks`` (the same passed to the planner and the kernel)."""
+    from cute_kernels import ion_attention, make_device_plan, sink_log2
+
+    features = features or {}
 
     rng = torch.Generator().manual_seed(seed)
     q_lens, seq_lens, pad, cost = _shape(shape, rng)
@@ -105,23 +108,34 @@ def _run(dtype, d, hq, hkv, tile_m, fused, shape, seed, batch_invariant=False,
         v_cache.copy_(v_ref)
     plan = make_device_plan(qsl.cpu(), sl.cpu(), num_kv_heads=hkv, group_size=hq // hkv,
                             head_dim=d, device="cuda", fresh_kv=fused, tile_m=tile_m,
-                            cost_model=cost, batch_invariant=batch_invariant)
+                            cost_model=cost, batch_invariant=batch_invariant,
+                            window=features.get("window") or 0)
     out = torch.full_like(q, float("nan"))
     scale = default_softmax_scale(d)
+    extra = {}
+    if features.get("window"):
+        extra["window"] = features["window"]
+    if features.get("softcap"):
+        extra["softcap"] = features["softcap"]
+    if features.get("sinks") is not None:
+        extra["sinks_log2"] = sink_log2(features["sinks"].cuda())
     ion_attention(q, k_cache, v_cache, out, qsl, sl, bt, scale, plan,
-                  key=key if fused else None, value=value if fused else None)
+                  key=key if fused else None, value=value if fused else None, **extra)
     torch.cuda.synchronize()
     return case, out, (k_cache, v_cache), (k_ref, v_ref), plan, scale
 
 
-def _check_case(case, out, caches, ref_caches, plan, scale, what):
+def _check_case(case, out, caches, ref_caches, plan, scale, what, features=None):
     q, _, _, qsl, sl, bt = case
+    features = {k: (v.cuda() if torch.is_tensor(v) else v)
+                for k, v in (features or {}).items()}
     written = written_rows_mask(qsl, sl, q.shape[0]).cuda()
     assert not torch.isnan(out[written]).any(), f"{what}: a row the kernel owns is unwritten"
     assert torch.isnan(out[~written]).all(), f"{what}: a row no request owns was written"
     k_ref, v_ref = ref_caches
-    ref = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale)
-    pt = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale, compute_dtype=q.dtype)
+    ref = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale, **features)
+    pt = reference_paged_attention(q, k_ref, v_ref, qsl, sl, bt, scale, compute_dtype=q.dtype,
+                                   **features)
     err = (out[written].float() - ref[written]).abs().max().item()
     bar = 2 * (pt[written] - ref[written]).abs().max().item() + ATOL
     assert err <= bar, f"{what}: max abs error {err:.3g} > {bar:.3g} (2x PyTorch + atol)"
@@ -155,6 +169,41 @@ def test_kernel_matches_reference(config, shape, seed):
     plan = _check_case(*result, what)
     if shape == "split":
         assert plan.host.num_splits_max > 1, f"{what}: the split case did not split"
+
+
+#: (name, head size, (Hq, Hkv), features): the attention of the models the model-coverage
+#: issue names (gpt-oss: sinks + 128-token window at d64; Gemma 2: soft cap 50 + 4096
+#: window; Mistral: 4096 window; a cap that bites on random scores), and windows below, at
+#: and above one page
+FEATURES = [
+    ("gpt-oss", 64, (64, 8), dict(window=128, sinks=True)),
+    ("gemma2", 128, (16, 8), dict(window=4096, softcap=50.0)),
+    ("mistral", 128, (32, 8), dict(window=4096)),
+    ("cap-bites", 128, (28, 4), dict(softcap=2.0)),
+    ("window-1", 128, (28, 4), dict(window=1)),
+    ("window-63", 64, (8, 4), dict(window=63)),
+    ("window-64", 128, (28, 4), dict(window=64)),
+    ("window-65", 128, (32, 2), dict(window=65, sinks=True)),
+]
+
+
+@pytest.mark.parametrize("shape", ["decode", "mixed", "chunks", "split"])
+@pytest.mark.parametrize("tile_m", [64, 128, 192])
+@pytest.mark.parametrize("fused", [False, True], ids=["append", "fused"])
+@pytest.mark.parametrize("feature", FEATURES, ids=[f[0] for f in FEATURES])
+def test_model_features_match_reference(feature, fused, tile_m, shape, seed):
+    """Sliding windows (pruned by the planner, masked at the edge), attention sinks (epilogue
+    and split-KV combine) and the logits soft cap, alone and as models combine them, on
+    every tile size and both layer paths: the same per-element bar as every kernel case."""
+    name, d, (hq, hkv), feat = feature
+    feats = dict(feat)
+    if feats.pop("sinks", False):
+        g = torch.Generator().manual_seed(seed + 3)
+        feats["sinks"] = torch.randn(hq, generator=g) * 2.0
+    what = f"{name} d{d} {hq}x{hkv} m{tile_m} fused={fused} {shape} seed={seed}"
+    result = _run(torch.bfloat16, d, hq, hkv, tile_m, fused, shape, seed, features=feats)
+    plan = _check_case(*result, what, features=feats)
+    assert plan.window == (feats.get("window") or 0)
 
 
 @pytest.mark.parametrize("fused", [False, True])
