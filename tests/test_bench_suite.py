@@ -1,5 +1,7 @@
 """The kernel benchmark's named shapes and its bytes / FLOPs formulas (pure Python)."""
 
+import types
+
 import pytest
 
 from ion_vllm.bench import kernel_suite as ks
@@ -115,3 +117,26 @@ def test_select():
         ks.select(None, ["decode-32x8192"])
     with pytest.raises(KeyError):
         ks.suite("pages")  # retired with the 128-token-page experiment
+
+
+def test_feature_suite_and_how_each_backend_gets_the_features():
+    """The model-coverage A/B cases, and the same features as ION and FA3 take them:
+    FA3's window_size=(W - 1, 0) is the reference's window of W tokens."""
+    import torch
+
+    from ion_vllm.bench import kernel_runner as kr
+    from ion_vllm.bench.kernel_suite import suite
+
+    cases = {c.name: c for c in suite("features")}
+    assert cases["decode-32x16384-h28/4-d128-w4096"].window == 4096
+    gpt = [c for c in cases.values() if "gptoss" in c.name]
+    assert gpt and all((c.hq, c.hkv, c.d, c.window, c.sinks) == (64, 8, 64, 128, True)
+                       for c in gpt)
+    c = gpt[0]
+    fa = kr.fa_features(c, "cpu")
+    assert fa["window_size"] == (127, 0) and torch.equal(fa["s_aux"], c.sink_logits())
+    ion = kr.ion_features(c, types.SimpleNamespace(sink_log2=lambda s: s * 2), "cpu")
+    assert ion["window"] == 128 and torch.equal(ion["sinks_log2"], c.sink_logits() * 2)
+    plain = suite("anchors")[0]
+    assert kr.fa_features(plain, "cpu") == {"window_size": (-1, -1)}
+    assert kr.ion_features(plain, None, "cpu") == {}

@@ -214,7 +214,8 @@ def default_plan(kernels, case: Case, device, fresh_kv: bool):
     return kernels.make_device_plan(
         np.asarray(case.query_start_loc(), np.int32), np.asarray(case.kv_lens, np.int32),
         num_kv_heads=case.hkv, group_size=case.hq // case.hkv, head_dim=case.d,
-        device=device, fresh_kv=fresh_kv, tile_m="auto")
+        device=device, fresh_kv=fresh_kv, tile_m="auto",
+        **({"window": case.window} if case.window else {}))
 
 
 MODES = ("fused", "attn", "append")
@@ -247,7 +248,7 @@ def ion_backend(mode: str, kernels=None, plan=None) -> PrepareFn:
         q, kc, vc, bt = ion_cache(case, rot, device)
         qsl, seq_lens = _meta(case, device)
         out = torch.empty_like(q)
-        kw = dict(plan=shared["plan"])
+        kw = dict(plan=shared["plan"], **ion_features(case, k, device))
         if mode != "attn":
             key, value, slots = new_token_rows(case, rot, device)
         if mode == "fused":
@@ -261,6 +262,28 @@ def ion_backend(mode: str, kernels=None, plan=None) -> PrepareFn:
         return Prepared(call, out)
 
     return prepare
+
+
+def ion_features(case: Case, kernels, device) -> dict:
+    """``ion_attention`` keyword arguments of a case's model features (none: {})."""
+    kw: dict = {}
+    if case.window:
+        kw["window"] = case.window
+    if case.softcap:
+        kw["softcap"] = case.softcap
+    if case.sinks:
+        kw["sinks_log2"] = kernels.sink_log2(case.sink_logits().to(device))
+    return kw
+
+
+def fa_features(case: Case, device) -> dict:
+    """The same features as vLLM's FLASH_ATTN passes them to FA3."""
+    kw: dict = {"window_size": (case.window - 1, 0) if case.window else (-1, -1)}
+    if case.softcap:
+        kw["softcap"] = case.softcap
+    if case.sinks:
+        kw["s_aux"] = case.sink_logits().to(device)
+    return kw
 
 
 def _fa_version(ver: int):
@@ -287,13 +310,15 @@ def fa_backend(ver: int, layer: bool = False) -> PrepareFn:
         q, kc, vc, bt = fa_cache(case, rot, device)
         qsl, seq_lens = _meta(case, device)
         out = torch.empty_like(q)
+        feats = fa_features(case, device)
         if ver == 3 and "sched" not in shared:
             from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
             shared["sched"] = get_scheduler_metadata(
                 batch_size=case.batch, max_seqlen_q=case.max_q, max_seqlen_k=case.max_kv,
                 num_heads_q=case.hq, num_heads_kv=case.hkv, headdim=case.d,
                 cache_seqlens=seq_lens, qkv_dtype=q.dtype, cu_seqlens_q=qsl,
-                page_size=case.fa_page, causal=True, window_size=(-1, -1), num_splits=0)
+                page_size=case.fa_page, causal=True,
+                window_size=fa_features(case, device)["window_size"], num_splits=0)
         if layer:
             try:
                 from vllm._custom_ops import reshape_and_cache_flash
@@ -308,7 +333,8 @@ def fa_backend(ver: int, layer: bool = False) -> PrepareFn:
             return fa(q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=case.max_q,
                       seqused_k=seq_lens, max_seqlen_k=case.max_kv,
                       softmax_scale=case.d ** -0.5, causal=True, block_table=bt,
-                      scheduler_metadata=shared.get("sched"), fa_version=ver, num_splits=0)
+                      scheduler_metadata=shared.get("sched"), fa_version=ver, num_splits=0,
+                      **feats)
 
         return Prepared(call, out)
 
@@ -319,6 +345,8 @@ def prepare_triton(case: Case, rot: int, device, shared: dict) -> Prepared:
     """vLLM's TritonAttention kernel (``unified_attention``) on its cache, with the
     split-softmax buffers its metadata builder allocates (no cudagraph capture)."""
     import torch
+    if case.window or case.softcap or case.sinks:
+        raise BackendUnavailable("the triton entry runs plain causal attention only")
     try:
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except Exception as e:  # noqa: BLE001
@@ -476,7 +504,14 @@ def reference_output(case: Case, device, reference=None):
         from cute_kernels import reference_paged_attention as reference
     q, kc, vc, bt = ion_cache(case, 0, device)
     qsl, seq_lens = _meta(case, device)
-    return reference(q, kc, vc, qsl, seq_lens, bt, case.d ** -0.5)
+    feats = {}
+    if case.window:
+        feats["window"] = case.window
+    if case.softcap:
+        feats["softcap"] = case.softcap
+    if case.sinks:
+        feats["sinks"] = case.sink_logits().to(device)
+    return reference(q, kc, vc, qsl, seq_lens, bt, case.d ** -0.5, **feats)
 
 
 def prepare_checked(case: Case, backend: str, device, ref, l2_bytes: int = H200_L2_BYTES

@@ -8,6 +8,7 @@ physical KV layout and page size differ per backend (ION: 64-token pages, FA: ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,17 @@ class Case:
     #: strided view of a ``[T, (hq + 2 hkv) * d]`` qkv projection output at the column
     #: offsets vLLM's attention layers hand the backend (the engine's row strides)
     qkv_layout: str = "separate"
+    #: model features: a sliding window (tokens, 0: none), a logits soft cap (0: none),
+    #: per-q-head attention sinks (fixed logits, ``sink_logits``)
+    window: int = 0
+    softcap: float = 0.0
+    sinks: bool = False
+
+    def sink_logits(self):
+        """The sinks of a case with them: fixed per-head logits of gpt-oss's size."""
+        import torch
+
+        return torch.linspace(-2.0, 2.0, self.hq, dtype=torch.float32)
 
     def __post_init__(self):
         if self.qkv_layout not in QKV_LAYOUTS:
@@ -47,6 +59,8 @@ class Case:
             raise ValueError(f"{self.name}: hq {self.hq} not a multiple of hkv {self.hkv}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"{self.name}: unsupported dtype {self.dtype}")
+        if self.window < 0 or self.softcap < 0:
+            raise ValueError(f"{self.name}: window and softcap must be >= 0")
 
     batch = property(lambda self: len(self.q_lens))
     total_q = property(lambda self: sum(self.q_lens))
@@ -218,6 +232,24 @@ SUITES: dict[str, object] = {
                     for c in (decode(32, 8192, hq=hq, hkv=hkv, d=d),
                               mixed(32, 8192, 2048, hq=hq, hkv=hkv, d=d))],
 }
+#: gpt-oss's attention shape: 64 q / 8 KV heads of 64
+GPT_OSS = {"hq": 64, "hkv": 8, "d": 64}
+
+
+def _feature(case: Case, suffix: str, **features) -> Case:
+    return dataclasses.replace(case, name=f"{case.name}-{suffix}", **features)
+
+
+# the model-coverage A/B against FA3 on the same feature (the window cases read only the
+# pages inside the window: the planner never schedules the rest)
+SUITES["features"] = lambda: [
+    _feature(decode(32, 16384), "w4096", window=4096),
+    _feature(prefill(8192), "w1024", window=1024),
+    _feature(decode(32, 8192, **GPT_OSS), "gptoss-sinks-w128", window=128, sinks=True),
+    _feature(mixed(32, 8192, 2048, **GPT_OSS), "gptoss-sinks-w128", window=128, sinks=True),
+    _feature(decode(32, 8192, hq=32, hkv=2), "gqa16"),
+    _feature(decode(32, 8192), "cap50", softcap=50.0),
+]
 SUITES["full"] = lambda: [c for s in SUITES if s != "full" for c in SUITES[s]()]
 
 
