@@ -17,7 +17,7 @@
 #         under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half the
 #         GPU's memory; GPU memory judged on the server's own processes) and, once the
 #         server is up, compute-sanitizer memcheck, racecheck and synccheck over a reduced
-#         sweep (48 cases: every G, head size, path and tile size) and the kv_append and
+#         sweep (72 cases: every G, head size, path and tile size once) and the kv_append and
 #         KV-tier GPU tests (gpu_session.sh, step sanitize).
 set -euo pipefail
 stage=${1:?usage: run.sh kernel|serve OUT [TAG_TREE]}
@@ -51,7 +51,7 @@ case $stage in
     # another process frees GPU memory during it
     until grep -qs "Application startup complete" "$out/serve/soak/serve.log" \
         || ! kill -0 "$soak" 2> /dev/null || [ $(( $(date +%s) - t0 )) -ge 300 ]; do sleep 2; done
-    SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-48} \
+    SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-72} \
     SESSION_DEADLINE_S=$(( ${SESSION_DEADLINE_S:-540} - ($(date +%s) - t0) )) \
       bash "$root/scripts/gpu_session.sh" "$out/serve/sanitize" || true
     wait "$soak" || true
