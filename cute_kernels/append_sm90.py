@@ -42,7 +42,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 __all__ = ["kv_append", "KVAppendKernel", "kv_append_fake_args", "SUPPORTED_HEAD_DIMS"]
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _VEC = 8  # elements per 16-byte vector (bf16 / fp16)
 _MAX_THREADS = 256
 

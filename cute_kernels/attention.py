@@ -17,7 +17,7 @@ import torch
 
 from . import kernel_cache
 from .device_plan import DevicePlan, make_device_plan
-from .options import PAGE_SIZE, KernelOptions, group_pad_for
+from .options import PAGE_SIZE, SUPPORTED_HEAD_DIMS, KernelOptions, group_pad_for
 
 _compile_lock = threading.Lock()
 LOG2_E = 1.4426950408889634
@@ -223,8 +223,9 @@ def check_inputs(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     _, Hkv, P, Dk = k_cache.shape
     if P != PAGE_SIZE:
         raise ValueError(f"IonAttention pages hold {PAGE_SIZE} tokens, got {P}")
-    if Dk != D or D not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128 and equal in q and cache, got {D}/{Dk}")
+    if Dk != D or D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS} and equal in q and "
+                         f"cache, got {D}/{Dk}")
     if Hq % Hkv != 0:
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
     group_pad_for(Hq // Hkv)  # refuses ratios past MAX_GROUP

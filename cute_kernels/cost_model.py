@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .options import tile_ms_for
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -111,7 +113,8 @@ def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: 
                   head_dim: int, elem_bytes: int = 2, num_ctas: int = 132) -> int:
     """64, 128 or 192: the q-tile rows for one step (pure; from the host copies the planner
     uses).  192 instead of 128 when the prefill rows make at least
-    ``M192_MIN_TILES_PER_CTA * num_ctas`` tiles of one q head x 192 tokens.
+    ``M192_MIN_TILES_PER_CTA * num_ctas`` tiles of one q head x 192 tokens and the head
+    size has 192-row kernels (not D = 256).
 
     Decode-like rows (< PREFILL_ROW_TOKENS new tokens) stream their K/V: ``seq_len *
     num_kv_heads * head_dim * 2 * elem_bytes`` bytes.  Prefill rows cost ``4 * num_q_heads
@@ -137,6 +140,6 @@ def choose_tile_m(query_start_loc, seq_lens, *, num_q_heads: int, num_kv_heads: 
     if t_dec > M128_MAX_DECODE_FRACTION * t_pre:
         return 64
     tiles = float(np.sum((qp + 191) // 192)) * num_q_heads
-    if tiles >= M192_MIN_TILES_PER_CTA * num_ctas:
+    if tiles >= M192_MIN_TILES_PER_CTA * num_ctas and 192 in tile_ms_for(head_dim):
         return 192
     return 128

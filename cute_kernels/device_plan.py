@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .options import SUPPORTED_TILE_M, KernelOptions
+from .options import KernelOptions, tile_ms_for
 from .worklist import COMBINE_COLS, WORK_COLS
 
 #: SMs assumed when planning for a device that is not a GPU (H100/H200 SXM)
@@ -18,9 +18,9 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def grid_ctas(device, tile_m: int) -> int:
+def grid_ctas(device, tile_m: int, head_dim: int = 128) -> int:
     """Persistent CTAs of the kernels that run ``tile_m``-row plans on ``device``."""
-    return num_sms(device) * KernelOptions(tile_m=tile_m).ctas_per_sm
+    return num_sms(device) * KernelOptions(head_dim=head_dim, tile_m=tile_m).ctas_per_sm
 
 
 class _PinnedStage:
@@ -53,8 +53,9 @@ class DevicePlan:
     def __init__(self, *, item_capacity: int, group_capacity: int, partial_rows_capacity: int,
                  num_ctas: int, head_dim: int, device, tile_m: int = 64,
                  always_combine: bool = False):
-        if tile_m not in SUPPORTED_TILE_M:
-            raise ValueError(f"tile_m must be one of {SUPPORTED_TILE_M}, got {tile_m}")
+        if tile_m not in tile_ms_for(head_dim):
+            raise ValueError(f"tile_m must be one of {tile_ms_for(head_dim)} at head size "
+                             f"{head_dim}, got {tile_m}")
         device = torch.device(device)
         self.tile_m = int(tile_m)
         self.device = device
@@ -141,7 +142,7 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
     backend keeps one ``DevicePlan`` per tile size and uploads every step).
 
     ``fresh_kv=True`` plans KV units for the fused-writeback call (``ion_attention(...,
-    key=, value=)``).  ``tile_m``: ``"auto"`` picks 64, 128 or 192 rows for the batch as the
+    key=, value=)``).  ``tile_m``: ``"auto"`` picks 64, 128 or 192 (D = 256: 64 or 128) rows for the batch as the
     vLLM backend does (``cost_model.choose_tile_m``), or force one of them.  ``cost_model``
     (``planner.CostModel``): e.g. one that makes splitting cheap, so tests force split-KV.
     ``batch_invariant``: what the backend plans under ``VLLM_BATCH_INVARIANT=1``: no
@@ -159,9 +160,9 @@ def make_device_plan(query_start_loc_cpu, seq_lens_cpu, *, num_kv_heads: int,
     if tile_m == "auto":
         tile_m = choose_tile_m(qsl, sl, num_q_heads=num_kv_heads * group_size,
                                num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               num_ctas=grid_ctas(device, 128))
+                               num_ctas=grid_ctas(device, 128, head_dim))
     if num_ctas is None:
-        num_ctas = grid_ctas(device, tile_m)
+        num_ctas = grid_ctas(device, tile_m, head_dim)
     p = plan(qsl, sl, num_kv_heads=num_kv_heads, group_size=group_size, num_ctas=num_ctas,
              tile_m=tile_m, allow_split=not batch_invariant, max_splits=max_splits,
              cost_model=cost_model, fresh_kv=fresh_kv, unpacked_prefill=not batch_invariant,

@@ -38,7 +38,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from cute_kernels.options import WARPGROUP_ROWS, SUPPORTED_TILE_M, KernelOptions
+from cute_kernels.options import WARPGROUP_ROWS, KernelOptions, tile_ms_for
 from ion_vllm import validation
 from ion_vllm.registration import BACKEND_NAME, install_enum_alias
 
@@ -119,7 +119,8 @@ class StepPolicy:
 
     ``fresh_kv``: eager KV writeback inside the attention launch (else ``kv_append``).
     ``unpacked``: long prefill rows of a padded GQA group are tiled one q head x 64 tokens.
-    ``tile_ms``: the q-tile sizes steps may run (64 only, or 64/128/192 per step).
+    ``tile_ms``: the q-tile sizes steps may run (64 only, or 64/128/192 per step; 64/128
+    at head size 256).
     ``allow_split``: split-KV (reduces a row's pages in a batch-dependent grouping)."""
 
     fresh_kv: bool
@@ -128,7 +129,7 @@ class StepPolicy:
     allow_split: bool
 
     @classmethod
-    def for_engine(cls, vllm_config: VllmConfig) -> "StepPolicy":
+    def for_engine(cls, vllm_config: VllmConfig, head_size: int = 128) -> "StepPolicy":
         invariant = batch_invariant_mode()
         shares = model_shares_kv_cache(vllm_config)
         if invariant:
@@ -142,7 +143,7 @@ class StepPolicy:
                         "their own: kv_append instead of eager writeback")
         wide = not invariant and not mixed_batches_run_full_graphs(vllm_config)
         return cls(fresh_kv=not (invariant or shares), unpacked=not invariant,
-                   tile_ms=SUPPORTED_TILE_M if wide else (WARPGROUP_ROWS,),
+                   tile_ms=tile_ms_for(head_size) if wide else (WARPGROUP_ROWS,),
                    allow_split=not invariant)
 
 
@@ -178,7 +179,7 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
         if kv_cache_spec.block_size != KERNEL_BLOCK_SIZE:
             raise ValueError(f"ION needs a kernel KV block size of {KERNEL_BLOCK_SIZE}, got "
                              f"{kv_cache_spec.block_size}; use --block-size {KERNEL_BLOCK_SIZE}")
-        self.policy = StepPolicy.for_engine(vllm_config)
+        self.policy = StepPolicy.for_engine(vllm_config, kv_cache_spec.head_size)
         model_config = vllm_config.model_config
         scheduler_config = vllm_config.scheduler_config
         self.num_kv_heads = kv_cache_spec.num_kv_heads
@@ -200,9 +201,11 @@ class IonAttentionMetadataBuilder(AttentionMetadataBuilder[IonAttentionMetadata]
 
         from cute_kernels.device_plan import grid_ctas
 
-        self.num_ctas = {tm: grid_ctas(self.device, tm) for tm in self.policy.tile_ms}
+        self.num_ctas = {tm: grid_ctas(self.device, tm, self.head_size)
+                         for tm in self.policy.tile_ms}
         #: split-KV workspace rows of every tile size's buffers: sized by the 64-row grid
-        self.partial_rows = (self.partial_rows_per_cta * grid_ctas(self.device, WARPGROUP_ROWS)
+        self.partial_rows = (self.partial_rows_per_cta
+                             * grid_ctas(self.device, WARPGROUP_ROWS, self.head_size)
                              if self.policy.allow_split else 0)
         #: one DevicePlan per q-tile size (they differ in CTA count and item bound)
         self.plans = {tm: self._device_plan(tm) for tm in self.policy.tile_ms}

@@ -51,7 +51,7 @@ PAGE = 64
 MAX_KV = 32768
 MAX_CHUNK = 2048
 GQA_RATIOS = (1, 4, 7, 8, 12, 16)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 #: logits soft caps of the cases that have one: Gemma 2's 50, and caps that bite on the
 #: sweep's random scores (|s * scale| of a few units)
 SOFTCAPS = (1.5, 4.0, 50.0)
@@ -287,8 +287,12 @@ def case_path(case: SweepCase) -> tuple[str, int]:
     """(layer path, q-tile rows) of a case: fused / append alternate, tiles rotate."""
     # GQA ratio and head size cycle over index % CYCLE (make_case): every
     # CYCLE * 2 * len(TILE_MS) cases hold each (ratio, head size, path, tile size) once
-    return (PATHS[(case.index // CYCLE) % 2],
-            TILE_MS[(case.index // (2 * CYCLE)) % len(TILE_MS)])
+    # (D = 256 has no 192-row tile: its 128-row tile comes twice instead)
+    from cute_kernels.options import tile_ms_for
+
+    tiles = tile_ms_for(case.d)
+    k = (case.index // (2 * CYCLE)) % len(TILE_MS)
+    return PATHS[(case.index // CYCLE) % 2], tiles[min(k, len(tiles) - 1)]
 
 
 def impl_sink_log2(sinks):

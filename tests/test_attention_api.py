@@ -42,7 +42,7 @@ def test_kernel_options_defaults_and_key():
     ("dtype", "float32", TypeError, "supports"),
     ("dtype", "float8_e4m3fn", TypeError, "supports"),
     ("head_dim", 96, ValueError, "head sizes"),
-    ("head_dim", 256, ValueError, "head sizes"),
+    ("head_dim", 512, ValueError, "head sizes"),
     ("group_pad", 3, ValueError, "group_pad"),
     ("group_pad", 32, ValueError, "group_pad"),
     ("tile_m", 96, ValueError, "tile_m"),
@@ -74,15 +74,24 @@ def test_for_layer_pads_the_gqa_group():
 
 def test_all_kernel_options_is_every_combination_once():
     opts = all_kernel_options()
-    assert len(opts) == 120 == len(set(opts))
+    assert len(opts) == 160 == len(set(opts))
     assert {(o.dtype, o.head_dim, o.group_pad, o.tile_m, o.fresh_kv) for o in opts} == {
-        (dt, d, gp, tm, fr) for dt in ("bfloat16", "float16") for d in (64, 128)
-        for gp in (1, 2, 4, 8, 16) for tm in (64, 128, 192) for fr in (False, True)}
-    assert len({o.combine_key for o in opts}) == 20
+        (dt, d, gp, tm, fr) for dt in ("bfloat16", "float16") for d in (64, 128, 256)
+        for gp in (1, 2, 4, 8, 16) for tm in ((64, 128) if d == 256 else (64, 128, 192))
+        for fr in (False, True)}
+    assert len({o.combine_key for o in opts}) == 30
+
+
+def test_head_size_256_has_no_192_row_tile():
+    for fresh in (False, True):
+        with pytest.raises(ValueError, match="tile_m must be one of \\(64, 128\\) at head size 256"):
+            KernelOptions("bfloat16", 256, 8, 192, fresh)
 
 
 #: (producer, consumer) registers after setmaxnreg, as ``KernelOptions.registers`` says:
-#: key (consumers, fresh_kv, head_dim 64)
+#: key (consumers, fresh_kv, head_dim 64 or 256: the wider straddle copy); head size 256
+#: with one consumer (one CTA an SM): WIDE_ONE
+WIDE_ONE = {False: (24, 240), True: (48, 240)}
 REGISTERS = {(1, False, False): (24, 232), (1, False, True): (24, 232),
              (1, True, False): (40, 216), (1, True, True): (48, 208),
              (2, False, False): (24, 240), (2, False, True): (24, 240),
@@ -99,9 +108,14 @@ SM90_SMEM_PER_CTA = 227 * 1024  # the most dynamic shared memory one CTA may ask
 def test_derived_launch_shape(o):
     c = o.tile_m // 64
     assert o.consumers == c and o.threads == 128 * (1 + c)
-    assert (o.ctas_per_sm, o.kv_stages, o.q_stages) == ((2, 2, 2) if c == 1 else (1, 4, 2))
+    if o.head_dim == 256:  # one CTA an SM, 2 K/V stages, one Q buffer a consumer at 128 rows
+        assert (o.ctas_per_sm, o.kv_stages, o.q_stages) == (1, 2, 2 if c == 1 else 1)
+    else:
+        assert (o.ctas_per_sm, o.kv_stages, o.q_stages) == ((2, 2, 2) if c == 1 else (1, 4, 2))
     prod, cons = o.registers
-    assert (prod, cons) == REGISTERS[(c, o.fresh_kv, o.head_dim == 64)]
+    want = (WIDE_ONE[o.fresh_kv] if o.head_dim == 256 and c == 1
+            else REGISTERS[(c, o.fresh_kv, o.head_dim in (64, 256))])
+    assert (prod, cons) == want
     # setmaxnreg: multiples of 8 in [24, 256], and the split fits what every thread of the
     # resident CTAs gets at launch (so setmaxnreg.inc never waits for registers)
     assert all(r % 8 == 0 and 24 <= r <= 256 for r in (prod, cons))
@@ -112,6 +126,7 @@ def test_derived_launch_shape(o):
     per_cta = (2 * o.kv_stages * 64 * o.head_dim * 2 + o.q_stages * c * 64 * o.head_dim * 2
                + 2 * 1024)
     assert per_cta <= SM90_SMEM_PER_CTA and o.ctas_per_sm * per_cta <= SM90_SMEM_PER_SM
+    assert o.smem_bytes + 2 * 1024 == per_cta
 
 
 # ------------------------------------------------------------------- input refusal

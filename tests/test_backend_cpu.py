@@ -204,8 +204,8 @@ def test_supported_sizes_and_types():
 
     B = IonAttentionBackend
     assert B.get_supported_kernel_block_sizes() == [64]
-    assert B.get_supported_head_sizes() == [64, 128]
-    assert [B.supports_head_size(d) for d in (64, 128, 96, 256)] == [True, True, False, False]
+    assert B.get_supported_head_sizes() == [64, 128, 256]
+    assert [B.supports_head_size(d) for d in (64, 128, 256, 96, 512)] == [True, True, True, False, False]
     assert set(B.supported_dtypes) == {torch.float16, torch.bfloat16}
     assert [B.supports_dtype(t) for t in (torch.bfloat16, torch.float16, torch.float32)] == [
         True, True, False]

@@ -137,6 +137,9 @@ def test_feature_suite_and_how_each_backend_gets_the_features():
     assert fa["window_size"] == (127, 0) and torch.equal(fa["s_aux"], c.sink_logits())
     ion = kr.ion_features(c, types.SimpleNamespace(sink_log2=lambda s: s * 2), "cpu")
     assert ion["window"] == 128 and torch.equal(ion["sinks_log2"], c.sink_logits() * 2)
+    # the head-size-256 A/B: decode 32 x 8192 and prefill 8192, Gemma 2 9B heads
+    d256 = {n for n, c in cases.items() if (c.hq, c.hkv, c.d) == (16, 8, 256)}
+    assert {"decode-32x8192-h16/8-d256", "prefill-1x8192-h16/8-d256"} <= d256
     plain = suite("anchors")[0]
     assert kr.fa_features(plain, "cpu") == {"window_size": (-1, -1)}
     assert kr.ion_features(plain, None, "cpu") == {}

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cute_kernels.cost_model import CostModel
+from cute_kernels.options import tile_ms_for
 from cute_kernels.reference import (
     default_softmax_scale,
     make_paged_case,
@@ -67,8 +68,10 @@ def _shape(name: str, rng: torch.Generator):
 
 
 SHAPES = ["decode", "mixed", "prefill", "chunks", "empty-rows", "split"]
-CASES = list(itertools.product(
-    [torch.bfloat16, torch.float16], [64, 128], HEADS, [64, 128, 192], [False, True]))
+CASES = [(dt, d, heads, tm, fused)
+         for dt, d, heads, fused in itertools.product(
+             [torch.bfloat16, torch.float16], [64, 128, 256], HEADS, [False, True])
+         for tm in tile_ms_for(d)]
 
 
 def _case_id(c):
@@ -172,12 +175,14 @@ def test_kernel_matches_reference(config, shape, seed):
 
 
 #: (name, head size, (Hq, Hkv), features): the attention of the models the model-coverage
-#: issue names (gpt-oss: sinks + 128-token window at d64; Gemma 2: soft cap 50 + 4096
-#: window; Mistral: 4096 window; a cap that bites on random scores), and windows below, at
-#: and above one page
+#: issue names (gpt-oss: sinks + 128-token window at d64; Gemma 2 9B: soft cap 50 + 4096
+#: window at d256; Gemma 3: 1024 window at d256; Mistral: 4096 window; a cap that bites on
+#: random scores), and windows below, at and above one page
 FEATURES = [
     ("gpt-oss", 64, (64, 8), dict(window=128, sinks=True)),
-    ("gemma2", 128, (16, 8), dict(window=4096, softcap=50.0)),
+    ("gemma2", 256, (16, 8), dict(window=4096, softcap=50.0)),
+    ("gemma3", 256, (8, 4), dict(window=1024)),
+    ("gemma2-d128", 128, (16, 8), dict(window=4096, softcap=50.0)),
     ("mistral", 128, (32, 8), dict(window=4096)),
     ("cap-bites", 128, (28, 4), dict(softcap=2.0)),
     ("window-1", 128, (28, 4), dict(window=1)),
@@ -188,10 +193,10 @@ FEATURES = [
 
 
 @pytest.mark.parametrize("shape", ["decode", "mixed", "chunks", "split"])
-@pytest.mark.parametrize("tile_m", [64, 128, 192])
 @pytest.mark.parametrize("fused", [False, True], ids=["append", "fused"])
-@pytest.mark.parametrize("feature", FEATURES, ids=[f[0] for f in FEATURES])
-def test_model_features_match_reference(feature, fused, tile_m, shape, seed):
+@pytest.mark.parametrize("feature,tile_m", [(f, tm) for f in FEATURES for tm in tile_ms_for(f[1])],
+                         ids=[f"{f[0]}-{tm}" for f in FEATURES for tm in tile_ms_for(f[1])])
+def test_model_features_match_reference(feature, tile_m, fused, shape, seed):
     """Sliding windows (pruned by the planner, masked at the edge), attention sinks (epilogue
     and split-KV combine) and the logits soft cap, alone and as models combine them, on
     every tile size and both layer paths: the same per-element bar as every kernel case."""

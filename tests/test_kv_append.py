@@ -31,6 +31,7 @@ from cute_kernels.append_sm90 import (  # noqa: E402
         (torch.float16, 64, 2, 16, torch.int32),
         (torch.bfloat16, 128, 32, 64, torch.int32),  # 512 vectors -> 2 per thread
         (torch.float16, 64, 40, 64, torch.int64),  # 320 vectors, 256 threads -> guarded tail
+        (torch.bfloat16, 256, 8, 64, torch.int32),  # Gemma 2 9B: 256 vectors, 1 a thread
     ],
 )
 def test_kv_append_compiles_sm90a_with_16B_vectors(dtype, head_dim, hkv, page, idx_dtype):
@@ -144,7 +145,7 @@ def _make_case(dtype, idx_dtype, head_dim, hkv=4, hq=16, page=64, nb=37, t=150, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_kv_append_matches_reference(dtype, idx_dtype, head_dim):
     from cute_kernels.reference import reference_kv_append
 

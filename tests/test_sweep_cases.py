@@ -10,6 +10,8 @@ import types
 
 import pytest
 from script_loader import load_script
+
+from cute_kernels.options import tile_ms_for
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,10 +50,11 @@ def test_default_count_and_bounds(default_cases):
 def test_coverage(default_cases):
     cs = default_cases
     assert {c.g for c in cs} == {1, 4, 7, 8, 12, 16}
-    assert {c.d for c in cs} == {64, 128}
+    assert {c.d for c in cs} == {64, 128, 256}
     assert {c.hkv for c in cs} == {1, 2, 3, 4}
     assert {(c.g, c.d, c.dtype) for c in cs} == {
-        (g, d, t) for g in (1, 4, 7, 8, 12, 16) for d in (64, 128) for t in ("bfloat16", "float16")}
+        (g, d, t) for g in (1, 4, 7, 8, 12, 16) for d in (64, 128, 256)
+        for t in ("bfloat16", "float16")}
     assert sum(c.dtype == "float16" for c in cs) >= 30
     lens = [L for c in cs for L in c.seq_lens]
     assert 1 in lens
@@ -118,8 +121,8 @@ def test_paths_and_tile_sizes_rotate(default_cases):
     """Every case of a sweep runs one of the backend's layer paths on one tile size, and a
     sweep covers each (path, tile size, head size, GQA ratio) combination."""
     seen = {(sw.case_path(c), c.d, c.g) for c in default_cases}
-    assert seen == {((p, t), d, g) for p in sw.PATHS for t in sw.TILE_MS
-                    for d in (64, 128) for g in (1, 4, 7, 8, 12, 16)}
+    assert seen == {((p, t), d, g) for p in sw.PATHS for d in (64, 128, 256)
+                    for t in tile_ms_for(d) for g in (1, 4, 7, 8, 12, 16)}
 
 
 def test_summarize_nan_is_worst(default_cases):

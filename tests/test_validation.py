@@ -20,7 +20,7 @@ BAD_BACKEND = [
     (dict(device_capability=(10, 0)), "sm_100", "FLASH_ATTN"),
     (dict(device_capability=(8, 9)), "sm_89", "FLASH_ATTN"),
     (dict(head_size=96), "head size 96", "FLASH_ATTN"),
-    (dict(head_size=256), "head size 256", "FLASH_ATTN"),
+    (dict(head_size=512), "head size 512", "FLASH_ATTN"),
     (dict(dtype=torch.float32), "float32", "--dtype bfloat16"),
     (dict(kv_cache_dtype="fp8"), "'fp8'", "--kv-cache-dtype auto"),
     (dict(kv_cache_dtype="fp8_e4m3"), "'fp8_e4m3'", "--kv-cache-dtype auto"),
@@ -106,7 +106,10 @@ def test_good_layers_pass():
                dict(num_heads=7, num_kv_heads=1, head_size=64),
                dict(GOOD_LAYER, logits_soft_cap=0.0), dict(GOOD_LAYER, has_sinks=True),
                dict(GOOD_LAYER, sliding_window=4096), dict(GOOD_LAYER, sliding_window=128),
-               dict(GOOD_LAYER, logits_soft_cap=50.0)):  # Gemma 2
+               dict(GOOD_LAYER, logits_soft_cap=50.0),  # Gemma 2
+               dict(num_heads=16, num_kv_heads=8, head_size=256, logits_soft_cap=50.0,
+                    sliding_window=4096),  # Gemma 2 9B's local layers
+               dict(num_heads=8, num_kv_heads=4, head_size=256, sliding_window=1024)):
         assert validation.layer_config_reasons(**ok) == [], ok
         check_layer(**ok)
 
@@ -123,7 +126,7 @@ def test_rules_follow_the_kernel_options():
     """The backend's rules are the kernels' compile options, defined once."""
     from cute_kernels import options
 
-    assert validation.SUPPORTED_HEAD_SIZES == options.SUPPORTED_HEAD_DIMS == (64, 128)
+    assert validation.SUPPORTED_HEAD_SIZES == options.SUPPORTED_HEAD_DIMS == (64, 128, 256)
     assert validation.SUPPORTED_DTYPES == options.SUPPORTED_DTYPES == ("bfloat16", "float16")
     assert validation.KERNEL_BLOCK_SIZE == options.PAGE_SIZE == 64
     assert validation.MAX_GQA_RATIO == options.MAX_GROUP == 16

@@ -234,6 +234,8 @@ SUITES: dict[str, object] = {
 }
 #: gpt-oss's attention shape: 64 q / 8 KV heads of 64
 GPT_OSS = {"hq": 64, "hkv": 8, "d": 64}
+#: Gemma 2 9B's: 16 q / 8 KV heads of 256
+GEMMA2_9B = {"hq": 16, "hkv": 8, "d": 256}
 
 
 def _feature(case: Case, suffix: str, **features) -> Case:
@@ -249,6 +251,9 @@ SUITES["features"] = lambda: [
     _feature(mixed(32, 8192, 2048, **GPT_OSS), "gptoss-sinks-w128", window=128, sinks=True),
     _feature(decode(32, 8192, hq=32, hkv=2), "gqa16"),
     _feature(decode(32, 8192), "cap50", softcap=50.0),
+    decode(32, 8192, **GEMMA2_9B),
+    prefill(8192, **GEMMA2_9B),
+    _feature(decode(32, 8192, **GEMMA2_9B), "gemma2-w4096-cap50", window=4096, softcap=50.0),
 ]
 SUITES["full"] = lambda: [c for s in SUITES if s != "full" for c in SUITES[s]()]
 
