@@ -7,9 +7,9 @@
 #   bash bench/results/2026-12-07-h200/run.sh serve  OUT
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
 # kernel: the GPU tests other than the 1008-case kernel matrix (the randomized sweep covers
-#         those shapes): int32 offsets, 10-run repeats, the 192 model-feature cases, CUDA
+#         those shapes): int32 offsets, 10-run repeats, the 224 model-feature cases, CUDA
 #         graphs, the kernel cache, kv_append, the KV tier and the sweep's own tests; beside
-#         them a 4000-case sweep (2000 per default path, a quarter of the cases each with a
+#         them a 4000-case sweep (2000 per default path, a third at head size 256, a quarter each with a
 #         window, sinks or a soft cap); then, interleaved in one process, the anchor suite of
 #         this checkout against the tag and the model-feature A/B against FA3.
 # serve:  two jobs side by side, each bound by something the other barely uses:
@@ -17,7 +17,7 @@
 #         under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half the
 #         GPU's memory; GPU memory judged on the server's own processes) and, once the
 #         server is up, compute-sanitizer memcheck, racecheck and synccheck over a reduced
-#         sweep (72 cases: every G, head size, path and tile size once) and the kv_append and
+#         sweep (108 cases: every G, head size, path and tile size once) and the kv_append and
 #         KV-tier GPU tests (gpu_session.sh, step sanitize).
 set -euo pipefail
 stage=${1:?usage: run.sh kernel|serve OUT [TAG_TREE]}
@@ -51,7 +51,7 @@ case $stage in
     # another process frees GPU memory during it
     until grep -qs "Application startup complete" "$out/serve/soak/serve.log" \
         || ! kill -0 "$soak" 2> /dev/null || [ $(( $(date +%s) - t0 )) -ge 300 ]; do sleep 2; done
-    SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-72} \
+    SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-108} \
     SESSION_DEADLINE_S=$(( ${SESSION_DEADLINE_S:-540} - ($(date +%s) - t0) )) \
       bash "$root/scripts/gpu_session.sh" "$out/serve/sanitize" || true
     wait "$soak" || true
