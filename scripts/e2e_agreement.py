@@ -34,6 +34,11 @@ Verdict rule: PASS iff
 i.e. ION must be at least as close to FlashAttention as vLLM's own Triton
 backend, up to a 1.5x margin on the logprob deviations.
 
+``--spec-ngram K``: every backend runs with vLLM's n-gram speculative decoding (K draft
+tokens, so decode rows of up to 1 + K query tokens), on prompts that repeat a random
+segment (so the proposer drafts); PASS then also needs ION's greedy generation equal to
+FLASH_ATTN's token for token on every prompt, and drafts verified (vLLM's counters).
+
 ``--break`` runs ION with a fault injected by this script (``inject_fault``: every
 ``cute_kernels.ion_attention`` launch reads a wrong KV page, with vLLM's engine core in the
 worker process so that the patch applies); the script must then report FAIL.  Writes
@@ -89,6 +94,34 @@ def build_prompts(seed: int = 0, vocab: int = MAX_REGULAR_TOKEN) -> List[Dict]:
     base_c = prompts[lengths.index(513)]["ids"]  # an earlier prompt as a prefix
     prompts.append({"name": "shareC_len513+250", "ids": base_c + rand(250)})
     return prompts
+
+
+def spec_prompts(seed: int = 0, vocab: int = MAX_REGULAR_TOKEN) -> List[Dict]:
+    """``--spec-ngram`` prompts: a random segment repeated, so that the n-gram proposer finds
+    matches and drafts (a random prompt rarely repeats an n-gram).  Segment lengths and
+    repeat counts put the drafted rows across page edges and long contexts."""
+    rng = random.Random(seed + 7)
+    prompts = []
+    for seg, reps in [(5, 4), (16, 3), (37, 5), (63, 2), (64, 3), (65, 4), (100, 6), (127, 2),
+                      (200, 5), (333, 3), (500, 4), (700, 5)]:
+        s = [rng.randrange(vocab) for _ in range(seg)]
+        prompts.append({"name": f"rep{seg}x{reps}", "ids": s * reps})
+    return prompts
+
+
+def spec_counters(llm) -> Dict[str, float]:
+    """vLLM's speculative-decoding counters of this engine (drafts, draft and accepted
+    tokens), summed over label sets; {} when the engine keeps no metrics."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - an engine without stats: nothing to report
+        return {}
+    out: Dict[str, float] = {}
+    for m in metrics:
+        if "spec_decode" in getattr(m, "name", "") and isinstance(getattr(m, "value", None),
+                                                                  (int, float)):
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+    return out
 
 
 # ----------------------------------------------------------------------------- worker
@@ -179,6 +212,12 @@ def worker(backend: str, task_path: str, result_path: str) -> int:
     if backend == "ION" and task.get("ion_cudagraph_mode"):
         # e.g. FULL: mixed prefill/decode batches replay full CUDA graphs of the ION launch
         extra["compilation_config"] = {"cudagraph_mode": task["ion_cudagraph_mode"]}
+    if task.get("spec_tokens"):
+        # every backend drafts with the same n-gram proposer: decode rows of 1 + k tokens
+        extra["speculative_config"] = {"method": "ngram",
+                                       "num_speculative_tokens": task["spec_tokens"],
+                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+        extra["disable_log_stats"] = False  # the spec-decode counters
     llm = LLM(model=task["model"], attention_backend=backend, dtype="bfloat16",
               enforce_eager=task["enforce_eager"], **extra,
               gpu_memory_utilization=task["gpu_memory_utilization"],
@@ -221,6 +260,8 @@ def worker(backend: str, task_path: str, result_path: str) -> int:
         gen = generate(prompts)  # decode steps, prefix-cache hits on the prompts
     result["generated"] = gen
     result["teacher"] = teacher
+    if task.get("spec_tokens"):
+        result["spec_decode"] = spec_counters(llm)
     result["run_s"] = time.time() - t1
     with open(result_path, "w") as f:
         json.dump(result, f)
@@ -289,13 +330,18 @@ def compare(ref: Dict, other: Dict, names: Optional[List[str]] = None) -> Dict:
 
 
 def verdict(ion: Dict, triton: Dict, top1_slack: float = 0.0,
-            margin: float = LOGPROB_MARGIN) -> Dict:
-    """Apply the rule of the module docstring; returns {"verdict", "checks"}."""
+            margin: float = LOGPROB_MARGIN, spec: Optional[Dict] = None) -> Dict:
+    """Apply the rule of the module docstring; returns {"verdict", "checks"}.  ``spec``
+    (``--spec-ngram``: ION's spec-decode counters): ION's greedy output must also equal
+    FLASH_ATTN's token for token on every prompt, with drafts verified on the way."""
     checks = {
         "top1": ion["top1_agreement"] >= triton["top1_agreement"] - top1_slack,
         "dlogprob_p99": ion["dlogprob_p99"] <= margin * triton["dlogprob_p99"],
         "dlogprob_max": ion["dlogprob_max"] <= margin * triton["dlogprob_max"],
     }
+    if spec is not None:
+        checks["greedy_identical"] = ion["greedy_prefix_match"] == 1.0
+        checks["drafts_verified"] = spec.get("vllm:spec_decode_num_draft_tokens", 0) > 0
     return {"verdict": "PASS" if all(checks.values()) else "FAIL", "checks": checks}
 
 
@@ -303,7 +349,9 @@ def render_markdown(summary: Dict) -> str:
     lines = [f"# E2E agreement vs {REFERENCE} ({summary['date']})", "",
              f"Model: `{summary['model']}`; prompts: {summary['num_prompts']} "
              f"(teacher-forced positions: {summary['positions']}); "
-             f"enforce_eager={summary['enforce_eager']}; fault={summary['fault'] or 'none'}",
+             f"enforce_eager={summary['enforce_eager']}; fault={summary['fault'] or 'none'}"
+             + (f"; n-gram speculation of {summary['spec_ngram']} tokens, ION's counters "
+                f"{summary['spec_decode'].get('ION')}" if summary.get("spec_ngram") else ""),
              "", "| backend | top-1 agree | disagreements | mean |Δlp| | p99 |Δlp| | max |Δlp| "
              "| greedy prefix match |", "|---|---|---|---|---|---|---|"]
     for b, s in summary["vs_reference"].items():
@@ -353,6 +401,10 @@ def parse_args(argv=None):
     ap.add_argument("--break", dest="break_", action="store_true",
                     help="run ION with a wrong KV page in every attention launch (must "
                          "report FAIL)")
+    ap.add_argument("--spec-ngram", type=int, default=0, metavar="K",
+                    help="every backend speculates K tokens with vLLM's n-gram proposer, on "
+                         "prompts that repeat a segment; PASS then also needs ION's greedy "
+                         "output equal to FLASH_ATTN's on every prompt")
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="use only the first N prompts (shortest first; a quick smoke run)")
@@ -420,14 +472,19 @@ def main(argv=None) -> int:
     out_dir = args.out or os.path.join(ROOT, "bench", "results", f"e2e-agreement-{date}")
     os.makedirs(out_dir, exist_ok=True)
     model = ensure_model(args.model)
-    prompts = build_prompts(args.seed)[:args.num_prompts]
+    if args.spec_ngram < 0:
+        print("--spec-ngram must be >= 0", file=sys.stderr)
+        return 2
+    prompts = (spec_prompts(args.seed) if args.spec_ngram
+               else build_prompts(args.seed))[:args.num_prompts]
     task = {"model": model, "prompts": prompts, "topk": args.topk,
             "gen_tokens": args.gen_tokens, "enforce_eager": args.enforce_eager,
             "ion_cudagraph_mode": args.ion_cudagraph_mode,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs, "teacher": None}
+            "max_num_seqs": args.max_num_seqs, "teacher": None,
+            "spec_tokens": args.spec_ngram}
     results = {}
     try:
         print(f"running {REFERENCE} (reference, generates the teacher tokens)", flush=True)
@@ -455,8 +512,12 @@ def main(argv=None) -> int:
         "timing_s": {b: {"init": r["init_s"], "run": r["run_s"], "wall": r["wall_s"]}
                      for b, r in results.items()},
         "vs_reference": vs_ref,
+        "spec_ngram": args.spec_ngram,
+        "spec_decode": {b: r.get("spec_decode") for b, r in results.items()},
     }
-    summary["verdict"] = verdict(vs_ref["ION"], vs_ref["TRITON_ATTN"], args.top1_slack)
+    summary["verdict"] = verdict(vs_ref["ION"], vs_ref["TRITON_ATTN"], args.top1_slack,
+                                 spec=(results["ION"].get("spec_decode") or {})
+                                 if args.spec_ngram else None)
     with open(os.path.join(out_dir, "agreement.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(out_dir, "agreement.md"), "w") as f:

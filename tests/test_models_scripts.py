@@ -252,6 +252,15 @@ class LLM:
             assert kw["compilation_config"] == {"cudagraph_mode": mode}, kw
         else:
             assert "compilation_config" not in kw, (attention_backend, kw)
+        spec = os.environ.get("EXPECT_SPEC_TOKENS")
+        if spec:
+            assert kw["speculative_config"]["method"] == "ngram", kw
+            assert kw["speculative_config"]["num_speculative_tokens"] == int(spec), kw
+            assert kw["disable_log_stats"] is False
+        else:
+            assert "speculative_config" not in kw, kw
+        self.spec = bool(spec)
+        self.diverge = attention_backend == "ION" and bool(os.environ.get("FAKE_ION_DIVERGES"))
         self.backend = attention_backend
         import cute_kernels
         self.fault = cute_kernels.ion_attention.__name__ == "broken"
@@ -280,21 +289,23 @@ class LLM:
                     SimpleNamespace(token_ids=[1], logprobs=None)]))
                 continue
             seq, gen, lps = list(ids), [], []
-            for _ in range(sp.max_tokens):
+            for j in range(sp.max_tokens):
                 top, n = self._dist(seq, len(seq))
+                top += 1 if self.diverge and j == 2 else 0
                 gen.append(top)
                 lps.append({top: SimpleNamespace(logprob=-0.5 + n, rank=1)})
                 seq.append(top)
             outs.append(SimpleNamespace(prompt_logprobs=None,
                                         outputs=[SimpleNamespace(token_ids=gen, logprobs=lps)]))
         return outs
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=12.0),
+                SimpleNamespace(name="vllm:num_preemptions", value=0.0)] if self.spec else []
 '''
 
 
-@pytest.mark.parametrize("break_", [False, True])
-def test_agreement_driver_with_fake_vllm(tmp_path, break_):
-    """The whole driver (a subprocess per backend, teacher forcing, metrics, verdict, output
-    files; --break's fault reaching the ION worker only) against a fake vllm package."""
+def _fake_vllm(tmp_path):
     fake = tmp_path / "fake"
     for pkg, body in (("vllm", FAKE_LLM), ("cute_kernels", "def ion_attention(*a, **k):\n    pass\n")):
         (fake / pkg).mkdir(parents=True)
@@ -302,6 +313,44 @@ def test_agreement_driver_with_fake_vllm(tmp_path, break_):
     (fake / "vllm" / "inputs.py").write_text(
         "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
     (tmp_path / "model").mkdir()
+    return fake
+
+
+def test_spec_prompts_repeat_a_segment():
+    ps = agree.spec_prompts(0)
+    assert ps == agree.spec_prompts(0) and ps != agree.spec_prompts(1)
+    for p in ps:
+        seg, reps = (int(x) for x in p["name"][3:].split("x"))
+        assert len(p["ids"]) == seg * reps and p["ids"] == p["ids"][:seg] * reps
+    assert {64, 65} <= {int(p["name"][3:].split("x")[0]) for p in ps}
+
+
+@pytest.mark.parametrize("diverge", [False, True])
+def test_agreement_driver_with_speculation(tmp_path, diverge):
+    """--spec-ngram: every backend gets the n-gram proposer; ION passes only when its greedy
+    output equals FLASH_ATTN's on every prompt (one token off fails it) and drafts ran."""
+    fake = _fake_vllm(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(fake), PYTHONHASHSEED="0", EXPECT_SPEC_TOKENS="3")
+    if diverge:
+        env["FAKE_ION_DIVERGES"] = "1"
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "e2e_agreement.py"), "--model",
+                        str(tmp_path / "model"), "--out", str(tmp_path / "out"),
+                        "--gen-tokens", "4", "--num-prompts", "6", "--spec-ngram", "3"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == (1 if diverge else 0), r.stdout + r.stderr
+    s = json.loads((tmp_path / "out" / "agreement.json").read_text())
+    assert s["spec_ngram"] == 3 and s["prompt_lengths"][0] == 20  # rep5x4
+    assert s["spec_decode"]["ION"] == {"vllm:spec_decode_num_draft_tokens": 12.0}
+    checks = s["verdict"]["checks"]
+    assert checks["drafts_verified"] is True and checks["greedy_identical"] is (not diverge)
+    assert s["verdict"]["verdict"] == ("FAIL" if diverge else "PASS")
+
+
+@pytest.mark.parametrize("break_", [False, True])
+def test_agreement_driver_with_fake_vllm(tmp_path, break_):
+    """The whole driver (a subprocess per backend, teacher forcing, metrics, verdict, output
+    files; --break's fault reaching the ION worker only) against a fake vllm package."""
+    fake = _fake_vllm(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(fake), PYTHONHASHSEED="0")
     cmd = [sys.executable, os.path.join(SCRIPTS, "e2e_agreement.py"), "--model",
            str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--gen-tokens", "4",
