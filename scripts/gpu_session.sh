@@ -18,6 +18,10 @@
 #            STARTUP_COLD (kernels; all: no prime start, every cache cold), STARTUP_ARGS
 #            (passed to vllm serve), STARTUP_S (2400)
 #   agree    scripts/e2e_agreement.py on the tiny real-weight model (AGREE_ARGS)
+#   models   per MODELS_ARCHS (gpt-oss gemma2 gemma3 mistral): a few-layer real-weight model
+#            of that family (make_tiny_model.py --arch), `vllm serve` on ION starts and
+#            answers (serve_check.sh), and e2e_agreement.py on it; then e2e_agreement.py
+#            --spec-ngram MODELS_SPEC (3) on the tiny Qwen2 (0: none).  OUT/models/<arch>/
 #   kvgpu    the KV tier's GPU tests (tests/test_kv_tier_gpu.py)
 #   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS native-default,ion,none,
 #            KVTIER_REPEATS 3, KVTIER_S 720, KVTIER_ARGS); cut short, its finished repeats
@@ -94,8 +98,8 @@ else
 fi
 
 need_vllm=0 need_cute=0
-for s in e2e startup agree kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
-for s in kval kbench e2e startup agree kvtier sanitize; do want "$s" && need_cute=1; done
+for s in e2e startup agree models kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
+for s in kval kbench e2e startup agree models kvtier sanitize; do want "$s" && need_cute=1; done
 missing=
 if [ "$dry" != 1 ]; then
   [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -110,7 +114,8 @@ if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] \
     && { want e2e || want startup || want kvtier; }; then
   step model 120 python3 scripts/make_demo_model.py "$model"
 fi
-if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] && { want preempt || want agree; }; then
+if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] \
+    && { want preempt || want agree || { want models && [ "${MODELS_SPEC:-3}" != 0 ]; }; }; then
   step tiny 180 python3 scripts/make_tiny_model.py "$tiny"
 fi
 
@@ -160,6 +165,19 @@ fi
 if want agree; then
   # shellcheck disable=SC2086
   step agree 900 python3 scripts/e2e_agreement.py --model "$tiny" --out "$out/agree" ${AGREE_ARGS:-}
+fi
+if want models; then
+  for arch in ${MODELS_ARCHS:-gpt-oss gemma2 gemma3 mistral}; do
+    dir="$out/models/$arch" m="$scratch/models/$arch"
+    mkdir -p "$dir"
+    step "model-$arch" 180 python3 scripts/make_tiny_model.py "$m" --arch "$arch"
+    step "serve-$arch" 420 bash scripts/serve_check.sh "$m" "$dir/serve"
+    step "agree-$arch" 900 python3 scripts/e2e_agreement.py --model "$m" --out "$dir/agree"
+  done
+  if [ "${MODELS_SPEC:-3}" != 0 ]; then
+    step agree-spec 900 python3 scripts/e2e_agreement.py --model "$tiny" \
+      --spec-ngram "${MODELS_SPEC:-3}" --out "$out/models/spec-ngram"
+  fi
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py

@@ -84,6 +84,22 @@ def test_missing_models_are_made_first(tmp_path):
     assert f"make_demo_model.py {ROOT / 'bench' / 'demo-model'}" in _cmd(steps, "model")
 
 
+def test_models_step_covers_each_family_then_speculation(tmp_path):
+    rc, steps = _run(tmp_path, SESSION_STEPS="models", MODELS_ARCHS="gemma2 mistral",
+                     TINY_MODEL="")
+    names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
+    assert names == ["tiny", "model-gemma2", "serve-gemma2", "agree-gemma2", "model-mistral",
+                     "serve-mistral", "agree-mistral", "agree-spec"]
+    assert "make_tiny_model.py" in _cmd(steps, "model-gemma2") \
+        and _cmd(steps, "model-gemma2").endswith("--arch gemma2")
+    assert _cmd(steps, "serve-mistral").startswith("bash scripts/serve_check.sh")
+    assert "--spec-ngram 3" in _cmd(steps, "agree-spec")
+    rc, steps = _run(tmp_path, SESSION_STEPS="models", MODELS_ARCHS="gemma3", MODELS_SPEC="0",
+                     TINY_MODEL="")
+    assert [x.split()[1] for x in steps.splitlines() if "would run" in x] == \
+        ["model-gemma3", "serve-gemma3", "agree-gemma3"]
+
+
 def test_deadline_cuts_limits_and_skips_what_cannot_fit(tmp_path):
     rc, steps = _run(tmp_path, SESSION_STEPS="startup kvgpu", SESSION_DEADLINE_S="100")
     assert "startup      limit 2400 s cut to" in steps and "kvgpu        limit 300 s cut to" in steps
