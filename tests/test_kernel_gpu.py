@@ -64,6 +64,10 @@ def _shape(name: str, rng: torch.Generator):
         return [0, 3, 0, 1, 70], [50, 3 + r(0, 300), 0, r(1, 500), 70 + r(0, 10)], 5, None
     if name == "split":  # long rows split across CTAs, merged by the combine pass
         return [1, 1, r(65, 200), 1], [r(4000, 8000), 8191, 6000, r(1, 70)], 0, CHEAP_SPLITS
+    if name.startswith("spec"):  # speculative decoding: every row 1 + k tokens, split too
+        q = int(name[4:])
+        kv = [q, 64, 64 + q - 1, 65, r(q, 3000), r(q, 9000), 8192, 128 * r(1, 20)]
+        return [q] * len(kv), kv, 2, CHEAP_SPLITS
     raise KeyError(name)
 
 
@@ -209,6 +213,20 @@ def test_model_features_match_reference(feature, tile_m, fused, shape, seed):
     result = _run(torch.bfloat16, d, hq, hkv, tile_m, fused, shape, seed, features=feats)
     plan = _check_case(*result, what, features=feats)
     assert plan.window == (feats.get("window") or 0)
+
+
+@pytest.mark.parametrize("q_len", [2, 4, 9])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("fused", [False, True], ids=["append", "fused"])
+def test_speculative_decode_rows_match_reference(q_len, d, fused, seed):
+    """Rows of 1 + k query tokens, as vLLM's n-gram and EAGLE proposers send them (k = 1,
+    3, 8): contexts at and across page edges, long rows split, GQA 8 and 16, the 64-row
+    tiles such uniform batches always get."""
+    for hq, hkv in ((32, 4), (32, 2)):
+        what = f"spec q={q_len} d{d} {hq}x{hkv} fused={fused} seed={seed}"
+        result = _run(torch.bfloat16, d, hq, hkv, 64, fused, f"spec{q_len}", seed)
+        plan = _check_case(*result, what)
+        assert plan.host.num_splits_max > 1, f"{what}: split-KV not exercised"
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -6,12 +6,13 @@
 #   bash bench/results/2026-12-07-h200/run.sh kernel OUT TAG_TREE
 #   bash bench/results/2026-12-07-h200/run.sh serve  OUT
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
-# kernel: the GPU tests other than the 1008-case kernel matrix (the randomized sweep covers
+# kernel: the GPU tests other than the 1344-case kernel matrix (the randomized sweep covers
 #         those shapes): int32 offsets, 10-run repeats, the 224 model-feature cases, CUDA
-#         graphs, the kernel cache, kv_append, the KV tier and the sweep's own tests; beside
-#         them a 4000-case sweep (2000 per default path, a third at head size 256, a quarter each with a
-#         window, sinks or a soft cap); then, interleaved in one process, the anchor suite of
-#         this checkout against the tag and the model-feature A/B against FA3.
+#         graphs, the kernel cache, speculative-decoding rows, kv_append, the KV tier and
+#         the sweep's own tests; beside them a 4000-case sweep (2000 per default path, a
+#         third at head size 256, a quarter each with a window, sinks or a soft cap); then,
+#         interleaved in one process, the anchor suite of this checkout against the tag and
+#         the model-feature A/B against FA3.
 # serve:  two jobs side by side, each bound by something the other barely uses:
 #         scripts/serve_soak.py on the demo model (3 rounds of 2000 mixed requests then 300
 #         under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half the
@@ -34,7 +35,8 @@ case $stage in
     KVAL_TESTS="$k::test_cache_past_int32_offsets $k::test_split_kv_repeats_bit_identically
       $k::test_model_features_match_reference $k::test_cuda_graph_replays_new_batches
       $k::test_kernels_loaded_from_the_cache_run_right $k::test_plan_from_lengths_ahead_of_the_device
-      $k::test_token_output_is_batch_invariant tests/test_kv_append.py tests/test_kv_tier_gpu.py
+      $k::test_token_output_is_batch_invariant $k::test_speculative_decode_rows_match_reference
+      tests/test_kv_append.py tests/test_kv_tier_gpu.py
       tests/test_gpu_sweep.py" \
     KBENCH_SUITES="anchors features" KBENCH_BACKENDS=tag-ion,ion,tag-ion-attn,ion-attn,fa3,fa3-layer \
     KBENCH_REGISTER=$root/bench/results/2026-12-07-h100/consolidation/tag_backends.py \
