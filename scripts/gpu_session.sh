@@ -30,8 +30,9 @@
 #   sanitize compute-sanitizer, one run per tool (SANITIZE_TOOLS: memcheck racecheck
 #            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 144:
 #            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
-#            combine every 4th case) and over the kv_append and KV-tier GPU tests (the
-#            gather/drain kernels); torch's caching allocator off, so memcheck sees each
+#            combine every 4th case; SANITIZE_SHARD K/N runs every N-th of them,
+#            SANITIZE_BUDGET_S stops starting cases after that many seconds) and over the
+#            kv_append and KV-tier GPU tests (SANITIZE_TESTS: the gather/drain kernels); torch's caching allocator off, so memcheck sees each
 #            tensor's own bounds; API errors not reported, cuBLAS's nvjet GEMMs not
 #            instrumented.  Logs: OUT/sanitize/<tool>-{sweep,tests}.log
 # Models: MODEL (served; default bench/demo-model, made when missing), TINY_MODEL (default
@@ -213,11 +214,13 @@ if want sanitize; then
          --report-api-errors no --kernel-name-exclude kns=nvjet)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
-      --cases "${SANITIZE_CASES:-144}" --seed "$seed" --max-kv-tokens 4096 --quiet \
+      --cases "${SANITIZE_CASES:-144}" --shard "${SANITIZE_SHARD:-0/1}" --seed "$seed" \
+      --max-kv-tokens 4096 --time-budget "${SANITIZE_BUDGET_S:-0}" --quiet \
       --out "$out/sanitize/$tool-sweep" &
+    # shellcheck disable=SC2086  # SANITIZE_TESTS is a list of test ids
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \
-      -p no:cacheprovider tests/test_kv_append.py tests/test_kv_tier_gpu.py &
+      -p no:cacheprovider ${SANITIZE_TESTS:-tests/test_kv_append.py tests/test_kv_tier_gpu.py} &
   done
   wait
 fi

@@ -34,6 +34,7 @@ def _cmd(steps: str, name: str) -> str:
 def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt "
                      "sanitize", SANITIZE_TOOLS="memcheck racecheck", SANITIZE_CASES="5",
+                     SANITIZE_SHARD="1/3", SANITIZE_BUDGET_S="200",
                      KBENCH_SUITES="anchors engine-d64", KBENCH_REGISTER="tag.py",
                      E2E_BACKENDS="ION,ION@/x/tag,FLASH_ATTN", E2E_WORKLOADS="seed",
                      STARTUP_REPEATS="2", STARTUP_COLD="all",
@@ -52,7 +53,8 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
         sweep, tests = _cmd(steps, f"san-{tool}-sweep"), _cmd(steps, f"san-{tool}-tests")
         assert sweep.startswith(f"compute-sanitizer --tool {tool} --error-exitcode 99")
         assert "--report-api-errors no --kernel-name-exclude kns=nvjet" in sweep
-        assert "gpu_sweep.py --cases 5 --seed" in sweep and "--max-kv-tokens 4096" in sweep
+        assert "gpu_sweep.py --cases 5 --shard 1/3 --seed" in sweep
+        assert "--max-kv-tokens 4096 --time-budget 200" in sweep
         assert f"{tmp_path / 'out' / 'sanitize' / tool}-tests.log" in tests
         assert tests.endswith("tests/test_kv_append.py tests/test_kv_tier_gpu.py")
     shards = _cmd(steps, "kval-tests-00") + " " + _cmd(steps, "kval-tests-01")

@@ -17,9 +17,11 @@
 #         scripts/serve_soak.py on the demo model (3 rounds of 2000 mixed requests then 300
 #         under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half the
 #         GPU's memory; GPU memory judged on the server's own processes) and, once the
-#         server is up, compute-sanitizer memcheck, racecheck and synccheck over a reduced
-#         sweep (108 cases: every G, head size, path and tile size once) and the kv_append and
-#         KV-tier GPU tests (gpu_session.sh, step sanitize).
+#         server is up, compute-sanitizer memcheck, racecheck and synccheck (gpu_session.sh,
+#         step sanitize) over every 7th case of a 108-case sweep (16 cases: both paths,
+#         every tile size, split-KV and its combine, 16 of the 18 (G, head size) pairs)
+#         and over kv_append and KV-tier GPU tests (the append kernel at d128 and d256, the
+#         tier's ring gather kernel).
 set -euo pipefail
 stage=${1:?usage: run.sh kernel|serve OUT [TAG_TREE]}
 out=${2:?usage: run.sh kernel|serve OUT [TAG_TREE]}
@@ -45,7 +47,7 @@ case $stage in
     cd "$root"
     [ -f bench/demo-model/config.json ] || python3 scripts/make_demo_model.py bench/demo-model
     python3 scripts/serve_soak.py --model bench/demo-model --out "$out/serve/soak" --rounds 3 \
-      --pressure-requests "${SOAK_PRESSURE_REQUESTS:-300}" --time-budget "${SOAK_S:-540}" \
+      --pressure-requests "${SOAK_PRESSURE_REQUESTS:-300}" --time-budget "${SOAK_S:-400}" \
       --gpu-memory-utilization 0.5 \
       > "$out/soak.log" 2>&1 &
     soak=$! t0=$(date +%s)
@@ -53,8 +55,14 @@ case $stage in
     # another process frees GPU memory during it
     until grep -qs "Application startup complete" "$out/serve/soak/serve.log" \
         || ! kill -0 "$soak" 2> /dev/null || [ $(( $(date +%s) - t0 )) -ge 300 ]; do sleep 2; done
-    SESSION_STEPS=sanitize SANITIZE_CASES=${SANITIZE_CASES:-108} \
-    SESSION_DEADLINE_S=$(( ${SESSION_DEADLINE_S:-540} - ($(date +%s) - t0) )) \
+    left=$(( ${SESSION_DEADLINE_S:-420} - ($(date +%s) - t0) ))
+    a=tests/test_kv_append.py t=tests/test_kv_tier_gpu.py
+    SESSION_STEPS=sanitize SANITIZE_CASES=108 SANITIZE_SHARD=${SANITIZE_SHARD:-0/7} \
+    SANITIZE_BUDGET_S=$(( left - 90 )) SESSION_DEADLINE_S=$left \
+    SANITIZE_TESTS="$a::test_kv_append_matches_reference[128-idx_dtype0-dtype0]
+      $a::test_kv_append_matches_reference[256-idx_dtype1-dtype1]
+      $a::test_kv_append_single_token_and_empty $t::test_store_load_roundtrip
+      $t::test_random_ops_cuda[ion-batch]" \
       bash "$root/scripts/gpu_session.sh" "$out/serve/sanitize" || true
     wait "$soak" || true
     mv "$out/soak.log" "$out/serve/" ;;
