@@ -1021,6 +1021,10 @@ def test_choose_tile_m_follows_the_measured_anchors():
     # rows with no new tokens cost nothing
     assert choose_tile_m(qsl_of([0, 0, 8192]), [900000, 900000, 8192], **kw) == 192
     assert CM.M128_MAX_DECODE_FRACTION == 0.25 and CM.M192_MIN_TILES_PER_CTA == 2.25
+    # head size 256 has no 192-row kernels: the same prefill-heavy steps take 128 rows
+    wide = dict(kw, head_dim=256)
+    assert choose_tile_m(qsl_of([8192]), [8192], **wide) == 128
+    assert choose_tile_m(qsl_of([1] * 32), [8192] * 32, **wide) == 64
 
 
 def test_choose_tile_m_thresholds():
