@@ -337,6 +337,18 @@ def test_step_policy_under_full_cuda_graphs_for_mixed_batches(make_config):
 
 
 # ------------------------------------------------------------------- builder sizing
+def test_builder_at_head_size_256_runs_64_and_128_row_tiles(make_config):
+    """A head-size-256 layer group (Gemma 2 / 3): no 192-row kernels, one CTA an SM, and a
+    prefill-heavy step gets 128 rows."""
+    b = builder_for(make_config(), kv_spec(head_size=256))
+    assert b.policy.tile_ms == (64, 128) and set(b.plans) == {64, 128}
+    assert b.num_ctas == {64: grid_ctas(CPU, 64, 256), 128: grid_ctas(CPU, 128, 256)}
+    assert grid_ctas(CPU, 64, 256) == grid_ctas(CPU, 64) // 2
+    assert all(dp.partial_o.shape[1] == 256 for dp in b.plans.values())
+    assert b.step_tile_m(np.array([0, 8192]), np.array([8192])) == 128
+    assert {o.tile_m for o in b.kernel_options(torch.bfloat16)} == {64, 128}
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 def test_builder_sizes_one_device_plan_per_tile_size(make_config, monkeypatch, invariant):
     if invariant:
