@@ -7,7 +7,8 @@
 #            instead of step kvgpu after it) in KVAL_SHARDS (8)
 #            processes of contiguous test ids, and the randomized sweep against the
 #            reference (KVAL_CASES, default 1000, one seed) in KVAL_SWEEP_SHARDS (4)
-#            processes, all side by side: they are bound by compiling kernels on the CPU
+#            processes, all side by side: they are bound by compiling kernels on the CPU;
+#            KVAL_SWEEP_BUDGET_S: a shard starts no case after that many seconds
 #   kbench   ion-bench kernel, interleaved, one process: KBENCH_SUITES (anchors) x
 #            KBENCH_BACKENDS (ion,ion-attn,ion-append,fa3,fa3-layer); KBENCH_REGISTER=FILE.py
 #            registers more backends first (e.g. another checkout's kernels)
@@ -138,6 +139,7 @@ if want kval; then
   for ((i = 0; i < n; i++)); do
     CUTE_DSL_DISABLE_FILE_CACHING=1 step "sweep-$i" 900 python3 scripts/gpu_sweep.py \
       --cases "${KVAL_CASES:-1000}" --seed "$seed" --shard "$i/$n" --quiet \
+      --time-budget "${KVAL_SWEEP_BUDGET_S:-0}" \
       --out "$out/sweep-$i" &
   done
   wait

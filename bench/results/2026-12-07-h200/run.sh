@@ -4,7 +4,7 @@
 # OUT/<stage>.tgz (a device call brings back only a few files); show.py prints its verdicts.
 #   bash bench/results/2026-12-07-h200/run.sh kernel OUT TAG_TREE   # ~6 min
 #   bash bench/results/2026-12-07-h200/run.sh serve  OUT            # ~7 min
-#   bash bench/results/2026-12-07-h200/run.sh all    OUT TAG_TREE   # both in ~9.5 min
+#   bash bench/results/2026-12-07-h200/run.sh all    OUT TAG_TREE   # both in ~8 min
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
 # Parts:
 # tests:    the GPU tests other than the 1344-case kernel matrix (the randomized sweep covers
@@ -15,7 +15,7 @@
 # bench:    interleaved in one process, on a quiet GPU: the anchor suite of this checkout
 #           against the tag, and the model-feature A/B against FA3.
 # soak:     scripts/serve_soak.py on the demo model: 3 rounds of 2000 mixed requests then
-#           300 under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half
+#           200 under memory pressure, 256 concurrent clients, 5% hang up mid-stream; half
 #           the GPU's memory; GPU memory judged on the server's own processes.
 # sanitize: compute-sanitizer memcheck, racecheck and synccheck (gpu_session.sh, step
 #           sanitize) over every 7th case of a 108-case sweep (16 cases: both paths, every
@@ -38,6 +38,7 @@ k=tests/test_kernel_gpu.py a=tests/test_kv_append.py t=tests/test_kv_tier_gpu.py
 
 tests() {  # tests DEADLINE_S
   SESSION_STEPS=kval KVAL_KV_TIER=1 KVAL_CASES=4000 KVAL_SWEEP_SHARDS=8 SESSION_DEADLINE_S=$1 \
+  KVAL_SWEEP_BUDGET_S=$(( $1 - 45 )) \
   KVAL_TESTS="$k::test_cache_past_int32_offsets $k::test_split_kv_repeats_bit_identically
     $k::test_model_features_match_reference $k::test_cuda_graph_replays_new_batches
     $k::test_kernels_loaded_from_the_cache_run_right $k::test_plan_from_lengths_ahead_of_the_device
@@ -55,7 +56,7 @@ soak_start() {  # soak_start TIME_BUDGET_S; then waits until the server is up
   (cd "$root" && { [ -f bench/demo-model/config.json ] \
                    || python3 scripts/make_demo_model.py bench/demo-model; } \
    && python3 scripts/serve_soak.py --model bench/demo-model --out "$dir/soak" --rounds 3 \
-        --pressure-requests "${SOAK_PRESSURE_REQUESTS:-300}" --time-budget "$1" \
+        --pressure-requests "${SOAK_PRESSURE_REQUESTS:-200}" --time-budget "$1" \
         --gpu-memory-utilization 0.5) > "$dir/soak.log" 2>&1 &
   soak=$!
   until grep -qs "Application startup complete" "$dir/soak/serve.log" \
@@ -81,13 +82,13 @@ case $stage in
     wait "$soak" || true ;;
   all)
     tag=$(cd "${3:?all needs TAG_TREE}" && pwd)
-    soak_start "${SOAK_S:-420}"
-    tests "$(left 400)" &
-    sanitize "$(left 420)" &
+    soak_start "${SOAK_S:-350}"
+    tests "$(left 330)" &
+    sanitize "$(left 350)" &
     wait ;;  # the soak, the tests and the sanitizer
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 if [ "$stage" = all ]; then
-  bench "$(left 565)"
+  bench "$(left "${ALL_S:-470}")"
 fi
 tar czf "$out/$stage.tgz" -C "$out" "$stage" && rm -rf "${out:?}/$stage"
