@@ -4,7 +4,7 @@
 # OUT/<stage>.tgz (a device call brings back only a few files); show.py prints its verdicts.
 #   bash bench/results/2026-12-07-h200/run.sh kernel OUT TAG_TREE   # ~6 min
 #   bash bench/results/2026-12-07-h200/run.sh serve  OUT            # ~7 min
-#   bash bench/results/2026-12-07-h200/run.sh all    OUT TAG_TREE   # both in ~8 min
+#   bash bench/results/2026-12-07-h200/run.sh all    OUT TAG_TREE   # both in ~8.5 min
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
 # Parts:
 # tests:    the GPU tests other than the 1344-case kernel matrix (the randomized sweep covers
@@ -82,13 +82,13 @@ case $stage in
     wait "$soak" || true ;;
   all)
     tag=$(cd "${3:?all needs TAG_TREE}" && pwd)
-    soak_start "${SOAK_S:-350}"
+    soak_start "${SOAK_S:-400}"
     tests "$(left 330)" &
     sanitize "$(left 350)" &
     wait ;;  # the soak, the tests and the sanitizer
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 if [ "$stage" = all ]; then
-  bench "$(left "${ALL_S:-470}")"
+  bench "$(left "${ALL_S:-500}")"
 fi
 tar czf "$out/$stage.tgz" -C "$out" "$stage" && rm -rf "${out:?}/$stage"
