@@ -143,6 +143,14 @@ def test_arch_models_carry_their_attention_features(arch, arch_dirs, cpu_platfor
     assert ("model.layers.0.self_attn.sinks" in w) == sinks
     m = ModelConfig(model=str(d), tokenizer=str(d), dtype="bfloat16", max_model_len=8192)
     assert m.get_head_size() == head and m.architectures == cfg.architectures
+    # ION takes every layer of the family as vLLM builds it (no refusal reason)
+    from ion_vllm import validation
+    windows = ({window if k == "sliding_attention" else None for k in kinds} if kinds
+               else {window})  # one kind of layer: the config's window on every layer
+    for w_ in windows:
+        assert validation.layer_config_reasons(
+            cfg.num_attention_heads, cfg.num_key_value_heads, head, sliding_window=w_,
+            logits_soft_cap=cap, has_sinks=sinks) == [], (arch, w_)
     torch.manual_seed(0)  # the weights depend on --seed only
     tiny_mod.write_arch_model(arch, str(d.parent / "again"), 5, hidden=64)
     w2 = load_file(str(d.parent / "again" / "model.safetensors"))
