@@ -43,10 +43,11 @@ class Case:
     sinks: bool = False
 
     def sink_logits(self):
-        """The sinks of a case with them: fixed per-head logits of gpt-oss's size."""
+        """The sinks of a case with them: fixed per-head logits of gpt-oss's size, in bf16
+        as gpt-oss stores them (FA3 takes ``s_aux`` in bf16 only)."""
         import torch
 
-        return torch.linspace(-2.0, 2.0, self.hq, dtype=torch.float32)
+        return torch.linspace(-2.0, 2.0, self.hq, dtype=torch.float32).to(torch.bfloat16)
 
     def __post_init__(self):
         if self.qkv_layout not in QKV_LAYOUTS:
