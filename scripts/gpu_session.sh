@@ -7,7 +7,8 @@
 #            instead of step kvgpu after it) in KVAL_SHARDS (8)
 #            processes of contiguous test ids, and the randomized sweep against the
 #            reference (KVAL_CASES, default 1000, one seed) in KVAL_SWEEP_SHARDS (4)
-#            processes, all side by side: they are bound by compiling kernels on the CPU
+#            processes, all side by side: they are bound by compiling kernels on the CPU;
+#            KVAL_SWEEP_BUDGET_S: a shard starts no case after that many seconds
 #   kbench   ion-bench kernel, interleaved, one process: KBENCH_SUITES (anchors) x
 #            KBENCH_BACKENDS (ion,ion-attn,ion-append,fa3,fa3-layer); KBENCH_REGISTER=FILE.py
 #            registers more backends first (e.g. another checkout's kernels)
@@ -18,16 +19,21 @@
 #            STARTUP_COLD (kernels; all: no prime start, every cache cold), STARTUP_ARGS
 #            (passed to vllm serve), STARTUP_S (2400)
 #   agree    scripts/e2e_agreement.py on the tiny real-weight model (AGREE_ARGS)
+#   models   per MODELS_ARCHS (gpt-oss gemma2 gemma3 mistral): a few-layer real-weight model
+#            of that family (make_tiny_model.py --arch), `vllm serve` on ION starts and
+#            answers (serve_check.sh), and e2e_agreement.py on it; then e2e_agreement.py
+#            --spec-ngram MODELS_SPEC (3) on the tiny Qwen2 (0: none).  OUT/models/<arch>/
 #   kvgpu    the KV tier's GPU tests (tests/test_kv_tier_gpu.py)
 #   kvtier   scripts/kv_tier_bench.py --colocate (KVTIER_CONFIGS native-default,ion,none,
 #            KVTIER_REPEATS 3, KVTIER_S 720, KVTIER_ARGS); cut short, its finished repeats
 #            are rebuilt into results (--from-repeats)
 #   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
 #   sanitize compute-sanitizer, one run per tool (SANITIZE_TOOLS: memcheck racecheck
-#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 96:
+#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 144:
 #            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
-#            combine every 4th case) and over the kv_append and KV-tier GPU tests (the
-#            gather/drain kernels); torch's caching allocator off, so memcheck sees each
+#            combine every 4th case; SANITIZE_SHARD K/N runs every N-th of them,
+#            SANITIZE_BUDGET_S stops starting cases after that many seconds) and over the
+#            kv_append and KV-tier GPU tests (SANITIZE_TESTS: the gather/drain kernels); torch's caching allocator off, so memcheck sees each
 #            tensor's own bounds; API errors not reported, cuBLAS's nvjet GEMMs not
 #            instrumented.  Logs: OUT/sanitize/<tool>-{sweep,tests}.log
 # Models: MODEL (served; default bench/demo-model, made when missing), TINY_MODEL (default
@@ -94,8 +100,8 @@ else
 fi
 
 need_vllm=0 need_cute=0
-for s in e2e startup agree kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
-for s in kval kbench e2e startup agree kvtier sanitize; do want "$s" && need_cute=1; done
+for s in e2e startup agree models kvgpu kvtier preempt; do want "$s" && need_vllm=1; done
+for s in kval kbench e2e startup agree models kvtier sanitize; do want "$s" && need_cute=1; done
 missing=
 if [ "$dry" != 1 ]; then
   [ "$need_vllm" = 1 ] && ! python3 -c "import vllm" > /dev/null 2>&1 && missing="$missing vllm"
@@ -110,7 +116,8 @@ if [ -z "${MODEL:-}" ] && [ ! -f "$model/config.json" ] \
     && { want e2e || want startup || want kvtier; }; then
   step model 120 python3 scripts/make_demo_model.py "$model"
 fi
-if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] && { want preempt || want agree; }; then
+if [ -z "${TINY_MODEL:-}" ] && [ ! -f "$tiny/config.json" ] \
+    && { want preempt || want agree || { want models && [ "${MODELS_SPEC:-3}" != 0 ]; }; }; then
   step tiny 180 python3 scripts/make_tiny_model.py "$tiny"
 fi
 
@@ -132,6 +139,7 @@ if want kval; then
   for ((i = 0; i < n; i++)); do
     CUTE_DSL_DISABLE_FILE_CACHING=1 step "sweep-$i" 900 python3 scripts/gpu_sweep.py \
       --cases "${KVAL_CASES:-1000}" --seed "$seed" --shard "$i/$n" --quiet \
+      --time-budget "${KVAL_SWEEP_BUDGET_S:-0}" \
       --out "$out/sweep-$i" &
   done
   wait
@@ -160,6 +168,19 @@ fi
 if want agree; then
   # shellcheck disable=SC2086
   step agree 900 python3 scripts/e2e_agreement.py --model "$tiny" --out "$out/agree" ${AGREE_ARGS:-}
+fi
+if want models; then
+  for arch in ${MODELS_ARCHS:-gpt-oss gemma2 gemma3 mistral}; do
+    dir="$out/models/$arch" m="$scratch/models/$arch"
+    mkdir -p "$dir"
+    step "model-$arch" 180 python3 scripts/make_tiny_model.py "$m" --arch "$arch"
+    step "serve-$arch" 420 bash scripts/serve_check.sh "$m" "$dir/serve"
+    step "agree-$arch" 900 python3 scripts/e2e_agreement.py --model "$m" --out "$dir/agree"
+  done
+  if [ "${MODELS_SPEC:-3}" != 0 ]; then
+    step agree-spec 900 python3 scripts/e2e_agreement.py --model "$tiny" \
+      --spec-ngram "${MODELS_SPEC:-3}" --out "$out/models/spec-ngram"
+  fi
 fi
 if want kvgpu; then
   step kvgpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_tier_gpu.py
@@ -195,11 +216,13 @@ if want sanitize; then
          --report-api-errors no --kernel-name-exclude kns=nvjet)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
-      --cases "${SANITIZE_CASES:-96}" --seed "$seed" --max-kv-tokens 4096 --quiet \
+      --cases "${SANITIZE_CASES:-144}" --shard "${SANITIZE_SHARD:-0/1}" --seed "$seed" \
+      --max-kv-tokens 4096 --time-budget "${SANITIZE_BUDGET_S:-0}" --quiet \
       --out "$out/sanitize/$tool-sweep" &
+    # shellcheck disable=SC2086  # SANITIZE_TESTS is a list of test ids
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \
-      -p no:cacheprovider tests/test_kv_append.py tests/test_kv_tier_gpu.py &
+      -p no:cacheprovider ${SANITIZE_TESTS:-tests/test_kv_append.py tests/test_kv_tier_gpu.py} &
   done
   wait
 fi

@@ -103,31 +103,56 @@ def flatness(samples: list[dict], key: str, window_s: float = 60.0) -> dict:
 
 
 # ------------------------------------------------------------------ measurements
-def tree_rss_mib(pid: int) -> float:
+def tree_pids(pid: int) -> list[int]:
     import psutil
 
     try:
         p = psutil.Process(pid)
-        procs = [p] + p.children(recursive=True)
+        return [p.pid] + [c.pid for c in p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
+        return []
+
+
+def tree_rss_mib(pids: list[int]) -> float:
+    import psutil
+
     total = 0
-    for q in procs:
+    for pid in pids:
         try:
-            total += q.memory_info().rss
+            total += psutil.Process(pid).memory_info().rss
         except psutil.NoSuchProcess:
             pass
     return total / 2**20
 
 
-def gpu_used_mib() -> float:
+def _smi(*query: str) -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10).stdout
-        return float(out.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def gpu_used_mib() -> float:
+    """The whole GPU's used memory (MiB)."""
+    try:
+        return float(_smi("--query-gpu=memory.used").split()[0])
+    except (ValueError, IndexError):
         return float("nan")
+
+
+def gpu_tree_mib(pids: list[int]) -> float:
+    """GPU memory of the given processes (MiB): the server alone, when other jobs share the
+    GPU; NaN where nvidia-smi lists none of them (another PID namespace)."""
+    want, total, seen = set(pids), 0.0, False
+    for line in _smi("--query-compute-apps=pid,used_memory").splitlines():
+        try:
+            pid, mib = (x.strip() for x in line.split(","))
+            if int(pid) in want:
+                total, seen = total + float(mib), True
+        except ValueError:
+            continue
+    return total if seen else float("nan")
 
 
 def get(url: str, timeout: float = 10.0) -> str:
@@ -247,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = asyncio.Event()
 
     def sample() -> dict:
-        return {"t": time.monotonic(), "rss_mib": tree_rss_mib(proc.pid),
-                "gpu_mib": gpu_used_mib()}
+        pids = tree_pids(proc.pid)
+        return {"t": time.monotonic(), "rss_mib": tree_rss_mib(pids),
+                "gpu_mib": gpu_used_mib(), "gpu_server_mib": gpu_tree_mib(pids)}
 
     async def sampler():
         while not stop.is_set():
@@ -302,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     if len(samples) >= 3:
         summary["host_rss"] = flatness(samples, "rss_mib")
-        summary["gpu_memory"] = flatness(samples, "gpu_mib")
+        # the server's own GPU memory where nvidia-smi can attribute it (other jobs may
+        # share the GPU), else the whole GPU's
+        per_proc = all(s["gpu_server_mib"] == s["gpu_server_mib"] for s in samples)
+        summary["gpu_memory"] = flatness(samples, "gpu_server_mib" if per_proc else "gpu_mib")
+        summary["gpu_memory"]["measured"] = "server processes" if per_proc else "whole GPU"
     ph = summary.get("phases", {})
     span = summary.get("host_rss", {}).get("span_s", 0.0)
     checks = {

@@ -34,6 +34,7 @@ def _cmd(steps: str, name: str) -> str:
 def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     rc, steps = _run(tmp_path, SESSION_STEPS="kval kbench e2e startup agree kvgpu kvtier preempt "
                      "sanitize", SANITIZE_TOOLS="memcheck racecheck", SANITIZE_CASES="5",
+                     SANITIZE_SHARD="1/3", SANITIZE_BUDGET_S="200",
                      KBENCH_SUITES="anchors engine-d64", KBENCH_REGISTER="tag.py",
                      E2E_BACKENDS="ION,ION@/x/tag,FLASH_ATTN", E2E_WORKLOADS="seed",
                      STARTUP_REPEATS="2", STARTUP_COLD="all",
@@ -52,7 +53,8 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
         sweep, tests = _cmd(steps, f"san-{tool}-sweep"), _cmd(steps, f"san-{tool}-tests")
         assert sweep.startswith(f"compute-sanitizer --tool {tool} --error-exitcode 99")
         assert "--report-api-errors no --kernel-name-exclude kns=nvjet" in sweep
-        assert "gpu_sweep.py --cases 5 --seed" in sweep and "--max-kv-tokens 4096" in sweep
+        assert "gpu_sweep.py --cases 5 --shard 1/3 --seed" in sweep
+        assert "--max-kv-tokens 4096 --time-budget 200" in sweep
         assert f"{tmp_path / 'out' / 'sanitize' / tool}-tests.log" in tests
         assert tests.endswith("tests/test_kv_append.py tests/test_kv_tier_gpu.py")
     shards = _cmd(steps, "kval-tests-00") + " " + _cmd(steps, "kval-tests-01")
@@ -82,6 +84,22 @@ def test_missing_models_are_made_first(tmp_path):
     assert [x.split()[1] for x in steps.splitlines() if "would run" in x] == \
         ["model", "tiny", "e2e", "agree"]
     assert f"make_demo_model.py {ROOT / 'bench' / 'demo-model'}" in _cmd(steps, "model")
+
+
+def test_models_step_covers_each_family_then_speculation(tmp_path):
+    rc, steps = _run(tmp_path, SESSION_STEPS="models", MODELS_ARCHS="gemma2 mistral",
+                     TINY_MODEL="")
+    names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
+    assert names == ["tiny", "model-gemma2", "serve-gemma2", "agree-gemma2", "model-mistral",
+                     "serve-mistral", "agree-mistral", "agree-spec"]
+    assert "make_tiny_model.py" in _cmd(steps, "model-gemma2") \
+        and _cmd(steps, "model-gemma2").endswith("--arch gemma2")
+    assert _cmd(steps, "serve-mistral").startswith("bash scripts/serve_check.sh")
+    assert "--spec-ngram 3" in _cmd(steps, "agree-spec")
+    rc, steps = _run(tmp_path, SESSION_STEPS="models", MODELS_ARCHS="gemma3", MODELS_SPEC="0",
+                     TINY_MODEL="")
+    assert [x.split()[1] for x in steps.splitlines() if "would run" in x] == \
+        ["model-gemma3", "serve-gemma3", "agree-gemma3"]
 
 
 def test_deadline_cuts_limits_and_skips_what_cannot_fit(tmp_path):

@@ -59,6 +59,13 @@ def test_flatness_compares_the_first_and_the_last_minute():
     assert f["growth_mib"] == 300.0 and f["last_min_mib"] == 1300.0
 
 
+def test_gpu_memory_counts_only_the_server_processes(monkeypatch):
+    table = "4242, 30000\n4243, 1200\n999, 50000\n"
+    monkeypatch.setattr(soak, "_smi", lambda *q: table)
+    assert soak.gpu_tree_mib([4242, 4243, 7]) == 31200.0
+    assert soak.gpu_tree_mib([7]) != soak.gpu_tree_mib([7])  # none listed: NaN
+
+
 def test_the_server_command_parses_as_vllm_serve(tmp_path, cpu_platform):
     import json
 
