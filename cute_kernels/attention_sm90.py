@@ -535,26 +535,51 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         the PV wgmma.  A sliding window masks keys ``<= qpos - w_off`` on units ``<= u_win``
         (the item's first ones; ``u_win`` = -1 without a window)."""
         P = self.page
+        # a window page takes the loop with both bounds; every other page keeps the causal
+        # loop alone, so a layer without a window (u_win = -1) runs the code it ran before
+        # windows existed, plus one compare a page
         if cutlass.const_expr(self.fresh_kv):
-            if u == u_part or u >= u_diag or u <= u_win:
-                kv0 = u * P
-                lim = ctx - 1
-                if u >= n_old:
-                    kv0 = ctx + (u - n_old) * P
-                    lim = seq_len - 1
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    kv = kv0 + tScS[e][1]
-                    qpos = pos0 + (tScS[e][0] >> shift)
-                    if kv > cutlass.min(qpos, lim) or kv <= qpos - w_off:
-                        acc_s[e] = -cutlass.Float32.inf
+            if u <= u_win:
+                kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
+                self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, w_off)
+            else:
+                if u == u_part or u >= u_diag:
+                    kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
+                    self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, None)
         else:
             kv0 = u * P
-            if kv0 + P - 1 > pos0 or u <= u_win:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    kv = kv0 + tScS[e][1]
-                    qpos = pos0 + (tScS[e][0] >> shift)
-                    if kv > cutlass.min(qpos, seq_len - 1) or kv <= qpos - w_off:
-                        acc_s[e] = -cutlass.Float32.inf
+            if u <= u_win:
+                self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, w_off)
+            else:
+                if kv0 + P - 1 > pos0:
+                    self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, None)
+
+    @cute.jit
+    def _unit_keys(self, u, n_old, ctx, seq_len):
+        """(first key, last valid key) of fused unit ``u``: old page ``u < n_old`` holds keys
+        ``u*P ..`` valid below ``ctx``; fresh tile ``u - n_old`` keys ``ctx + (u-n_old)*P ..``
+        valid below ``seq_len``."""
+        P = self.page
+        kv0 = u * P
+        lim = ctx - 1
+        if u >= n_old:
+            kv0 = ctx + (u - n_old) * P
+            lim = seq_len - 1
+        return kv0, lim
+
+    @cute.jit
+    def _mask_keys(self, acc_s, tScS, kv0, lim, pos0, shift, w_off):
+        """-inf where key ``kv0 + column`` lies past ``min(query position, lim)``, and with
+        a window (``w_off`` not None) where it lies at or before ``query position - w_off``."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            kv = kv0 + tScS[e][1]
+            qpos = pos0 + (tScS[e][0] >> shift)
+            if cutlass.const_expr(w_off is None):
+                if kv > cutlass.min(qpos, lim):
+                    acc_s[e] = -cutlass.Float32.inf
+            else:
+                if kv > cutlass.min(qpos, lim) or kv <= qpos - w_off:
+                    acc_s[e] = -cutlass.Float32.inf
 
     @cute.jit
     def _soft_cap(self, acc_s, cap, cap_in):
