@@ -29,7 +29,7 @@
 #            are rebuilt into results (--from-repeats)
 #   preempt  scripts/kv_tier_preempt_check.py in float32 on TRITON_ATTN (tiny model)
 #   sanitize compute-sanitizer, one run per tool (SANITIZE_TOOLS: memcheck racecheck
-#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 96:
+#            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 216:
 #            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
 #            combine every 4th case; SANITIZE_SHARD K/N runs every N-th of them,
 #            SANITIZE_BUDGET_S stops starting cases after that many seconds) and over the
@@ -217,7 +217,7 @@ if want sanitize; then
          --report-api-errors no --kernel-name-exclude kns=nvjet)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_DISABLE_FILE_CACHING=1 step "san-$tool-sweep" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-sweep.log" python3 scripts/gpu_sweep.py \
-      --cases "${SANITIZE_CASES:-96}" --shard "${SANITIZE_SHARD:-0/1}" --seed "$seed" \
+      --cases "${SANITIZE_CASES:-216}" --shard "${SANITIZE_SHARD:-0/1}" --seed "$seed" \
       --max-kv-tokens 4096 --time-budget "${SANITIZE_BUDGET_S:-0}" --quiet \
       --out "$out/sanitize/$tool-sweep" &
     # shellcheck disable=SC2086  # SANITIZE_TESTS is a list of test ids
