@@ -128,10 +128,19 @@ if want kval; then
   ignore=--ignore=tests/test_kv_tier_gpu.py; [ "${KVAL_KV_TIER:-0}" = 1 ] && ignore=
   # shellcheck disable=SC2086  # KVAL_TESTS is a list of paths, ignore empty or one flag
   python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${KVAL_TESTS:-tests} $ignore \
-    2>/dev/null | grep '::' | sort > "$scratch/kval-tests.txt"
+    > "$scratch/kval-collect.txt" 2>&1
+  collect_rc=$?
+  grep '::' "$scratch/kval-collect.txt" | sort > "$scratch/kval-tests.txt"
+  # a bad id in KVAL_TESTS makes pytest collect nothing; never fall back to "every test"
+  if [ "$collect_rc" -ne 0 ] || [ ! -s "$scratch/kval-tests.txt" ]; then
+    mark kval-tests "refused: collection rc=$collect_rc, $(wc -l < "$scratch/kval-tests.txt") ids"
+    cp "$scratch/kval-collect.txt" "$out/kval-collect.log"
+    : > "$scratch/kval-tests.txt"
+  fi
   shards=${KVAL_SHARDS:-8}
   split -n "l/$shards" -d -a 2 "$scratch/kval-tests.txt" "$scratch/kval-shard-"
   for f in "$scratch"/kval-shard-*; do
+    [ -s "$f" ] || continue  # an empty shard would run pytest over the whole tree
     # shellcheck disable=SC2046  # one test id per word
     step "kval-tests-${f##*-}" 900 python3 -m pytest -m gpu -q -p no:cacheprovider $(cat "$f") &
   done
