@@ -5,6 +5,8 @@
 #   bash bench/results/2026-12-07-h200/run.sh kernel OUT TAG_TREE   # ~9.5 min
 #   bash bench/results/2026-12-07-h200/run.sh serve  OUT            # ~9.5 min
 #   bash bench/results/2026-12-07-h200/run.sh all    OUT TAG_TREE   # both, cut short: ~8.5 min
+#   bash bench/results/2026-12-07-h200/run.sh recheck OUT           # racecheck alone, and
+#        the kernel stage's cut test shard (SANITIZE_SEED / SANITIZE_SHARD, RECHECK_RACE_S)
 # TAG_TREE holds the tag's packages: git archive lab-2026-12 cute_kernels ion_vllm | tar x -C TAG_TREE
 # Parts:
 # tests:    the GPU tests other than the 1344-case kernel matrix (the randomized sweep covers
@@ -26,8 +28,8 @@
 # (vLLM's start-up memory profile fails when another process frees GPU memory during it);
 # all = the soak, then, once its server is up, tests and sanitize beside it, then bench.
 set -euo pipefail
-stage=${1:?usage: run.sh kernel|serve|all OUT [TAG_TREE]}
-out=${2:?usage: run.sh kernel|serve|all OUT [TAG_TREE]}
+stage=${1:?usage: run.sh kernel|serve|all|recheck OUT [TAG_TREE]}
+out=${2:?usage: run.sh kernel|serve|all|recheck OUT [TAG_TREE]}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 mkdir -p "$out/$stage"
@@ -71,7 +73,28 @@ sanitize() {  # sanitize DEADLINE_S
     $t::test_random_ops_cuda[ion-batch]" \
     bash "$root/scripts/gpu_session.sh" "$dir/sanitize" || true
 }
+recheck() {  # recheck DEADLINE_S: racecheck alone on the serve stage's sweep cases, then
+  # the test shard the kernel stage's time limit cut (its 37 tests, a line each)
+  SESSION_STEPS=sanitize SANITIZE_TOOLS=racecheck SANITIZE_CASES=108 \
+  SANITIZE_SHARD=${SANITIZE_SHARD:-0/7} SANITIZE_SEED=${SANITIZE_SEED:-1389026906} \
+  SANITIZE_TESTS=none SANITIZE_BUDGET_S=${RECHECK_RACE_S:-200} \
+  SESSION_DEADLINE_S=$(( ${RECHECK_RACE_S:-200} + 60 )) \
+    bash "$root/scripts/gpu_session.sh" "$dir/racecheck" || true
+  local ids="" tile path kind
+  for tile in 64 128 192; do for path in append fused; do
+    for kind in chunks decode mixed split; do
+      ids="$ids $k::test_model_features_match_reference[cap-bites-$tile-$path-$kind]"
+    done
+  done; done
+  SESSION_STEPS=kval KVAL_SHARDS=4 KVAL_SWEEP_SHARDS=0 SESSION_DEADLINE_S=$(left "$1") \
+  KVAL_TESTS="tests/test_gpu_sweep.py $k::test_cache_past_int32_offsets
+    $k::test_cuda_graph_replays_new_batches $k::test_kernels_loaded_from_the_cache_run_right
+    $k::test_model_features_match_reference[gemma2-128-append-chunks] $ids" \
+    bash "$root/scripts/gpu_session.sh" "$dir/tests" || true
+}
 case $stage in
+  recheck)
+    recheck "${RECHECK_S:-470}" ;;
   kernel)
     tag=$(cd "${3:?kernel needs TAG_TREE}" && pwd)
     tests 360
