@@ -396,6 +396,35 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         corr = cute.make_rmem_tensor((2,), cutlass.Float32)
 
+        # the item walk is unswitched on the layer's logit features (uniform over the
+        # launch): a layer without soft cap or window runs a copy without their code
+        has_features = cutlass.Int32(0)
+        if softcap > 0.0:
+            has_features = cutlass.Int32(1)
+        if window > 0:
+            has_features = cutlass.Int32(1)
+        if has_features != 0:
+            self._walk(qk_mma, pv_mma, tSrQ, tSrK, tOrV, acc_s, acc_o, rP_as_s, rP, tScS,
+                       tOcO, row_max, row_sum, corr, q_cons, k_cons, v_cons, mO, mQSL,
+                       mSeqLens, mWork, mPartialOffsets, mOPartial, mLsePartial, mSinks2,
+                       group_size, scale_log2, softcap, softcap_in, window, item_begin,
+                       item_end, q_half, True)
+        else:
+            self._walk(qk_mma, pv_mma, tSrQ, tSrK, tOrV, acc_s, acc_o, rP_as_s, rP, tScS,
+                       tOcO, row_max, row_sum, corr, q_cons, k_cons, v_cons, mO, mQSL,
+                       mSeqLens, mWork, mPartialOffsets, mOPartial, mLsePartial, mSinks2,
+                       group_size, scale_log2, softcap, softcap_in, window, item_begin,
+                       item_end, q_half, False)
+
+    @cute.jit
+    def _walk(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, acc_s, acc_o, rP_as_s, rP, tScS, tOcO,
+              row_max, row_sum, corr, q_cons, k_cons, v_cons, mO, mQSL, mSeqLens, mWork,
+              mPartialOffsets, mOPartial, mLsePartial, mSinks2, group_size, scale_log2,
+              softcap, softcap_in, window, item_begin, item_end, q_half,
+              features: cutlass.Constexpr):
+        """The consumer warpgroup's items: each one's main loop (``_attend``), then its
+        epilogue.  ``features``: the copy for layers with a soft cap or a window."""
+        P = self.page
         for it in cutlass.range(item_begin, item_end, 1, unroll=1):
             b = mWork[it, W.REQ]
             h = mWork[it, W.HEAD]
@@ -440,11 +469,36 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                 if n_old * P != ctx:
                     u_part = n_old - 1
                 u_diag = n_old + (cutlass.min(pos0, seq_len - 1) - ctx + 1) // P
-            # sliding window: a key kv is masked for the query at qpos iff kv <= qpos - w_off
-            # (w_off = 2^30 without a window: never); only pages (units) <= u_win can hold
-            # such a key: the one holding key kw = last query position - window, and before
-            w_off = cutlass.Int32(1 << 30)
-            u_win = cutlass.Int32(-1)
+            row_max[0] = -cutlass.Float32.inf
+            row_max[1] = -cutlass.Float32.inf
+            row_sum[0] = cutlass.Float32(0.0)
+            row_sum[1] = cutlass.Float32(0.0)
+            acc_o.fill(0.0)
+            q_cons, k_cons, v_cons = self._attend(
+                qk_mma, pv_mma, tSrQ, tSrK, tOrV, acc_s, acc_o, rP_as_s, rP, tScS, row_max,
+                row_sum, corr, q_cons, k_cons, v_cons, q_half, p0, p1, pos0, seq_len, shift,
+                n_old, ctx, u_part, u_diag, scale_log2, softcap, softcap_in, window, features)
+
+            self.epilogue(acc_o, tOcO, row_max, row_sum, mO, mQSL, mWork, mPartialOffsets,
+                          mOPartial, mLsePartial, mSinks2, it, b, q_start, q_cnt, head_base,
+                          shift,
+                          gmask, qh, poff_rows, tok_off, group_size, scale_log2)
+
+    @cute.jit
+    def _attend(self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, acc_s, acc_o, rP_as_s, rP, tScS,
+                row_max, row_sum, corr, q_cons, k_cons, v_cons, q_half, p0, p1, pos0,
+                seq_len, shift, n_old, ctx, u_part, u_diag, scale_log2, softcap, softcap_in,
+                window, features: cutlass.Constexpr):
+        """One item's main loop: O, row max and row sum over pages (units) p0 .. p1-1.
+        ``features``: the layer has a soft cap or a sliding window (else their code is not
+        compiled into this copy).  Returns the Q, K and V consumers, advanced."""
+        P = self.page
+        # sliding window: a key kv is masked for the query at qpos iff kv <= qpos - w_off;
+        # only pages (units) <= u_win can hold such a key: the one holding key kw = last
+        # query position - window, and before (u_win = -1: none)
+        w_off = cutlass.Int32(1 << 30)
+        u_win = cutlass.Int32(-1)
+        if cutlass.const_expr(features):
             if window > 0:
                 w_off = window
                 kw = pos0 + (TILE_M >> shift) - 1 - window
@@ -454,55 +508,47 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
                         if kw >= ctx:
                             u_win = n_old + (kw - ctx) // P
 
-            row_max[0] = -cutlass.Float32.inf
-            row_max[1] = -cutlass.Float32.inf
-            row_sum[0] = cutlass.Float32(0.0)
-            row_sum[1] = cutlass.Float32(0.0)
-            acc_o.fill(0.0)
-
-            q_handle = q_cons.wait_and_advance()
-            q_buf = q_handle.index
-            if cutlass.const_expr(self.consumers >= 2):
-                q_buf = q_handle.index * self.consumers + q_half
-            # first page: S = Q K^T, softmax -> P
-            k_handle = k_cons.wait_and_advance()
-            self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
-            cute.nvgpu.warpgroup.wait_group(0)
-            k_handle.release()
+        q_handle = q_cons.wait_and_advance()
+        q_buf = q_handle.index
+        if cutlass.const_expr(self.consumers >= 2):
+            q_buf = q_handle.index * self.consumers + q_half
+        # first page: S = Q K^T, softmax -> P
+        k_handle = k_cons.wait_and_advance()
+        self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
+        cute.nvgpu.warpgroup.wait_group(0)
+        k_handle.release()
+        if cutlass.const_expr(features):
             if softcap > 0.0:
                 self._soft_cap(acc_s, softcap, softcap_in)
-            self._mask_kv(acc_s, tScS, p0, pos0, seq_len, shift, n_old, ctx, u_part, u_diag,
-                          u_win, w_off)
-            self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
-            rP_as_s.store(acc_s.load().to(self.dtype))
-            # steady state: S_p = Q K_p^T runs on the tensor cores while P_{p-1} is consumed
-            # by O += P V_{p-1}; O is rescaled once that PV is done
-            for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
-                k_handle = k_cons.wait_and_advance()
-                self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
-                v_handle = v_cons.wait_and_advance()
-                self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
-                cute.nvgpu.warpgroup.wait_group(1)
-                k_handle.release()
-                if softcap > 0.0:
-                    self._soft_cap(acc_s, softcap, softcap_in)
-                self._mask_kv(acc_s, tScS, p, pos0, seq_len, shift, n_old, ctx, u_part,
-                              u_diag, u_win, w_off)
-                self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
-                cute.nvgpu.warpgroup.wait_group(0)
-                v_handle.release()
-                self._rescale(acc_o, corr)
-                rP_as_s.store(acc_s.load().to(self.dtype))
+        self._mask_kv(acc_s, tScS, p0, pos0, seq_len, shift, n_old, ctx, u_part, u_diag,
+                      u_win, w_off, features)
+        self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
+        rP_as_s.store(acc_s.load().to(self.dtype))
+        # steady state: S_p = Q K_p^T runs on the tensor cores while P_{p-1} is consumed
+        # by O += P V_{p-1}; O is rescaled once that PV is done
+        for p in cutlass.range(p0 + 1, p1, 1, unroll=1):
+            k_handle = k_cons.wait_and_advance()
+            self._issue_qk(qk_mma, acc_s, tSrQ, tSrK, q_buf, k_handle.index)
             v_handle = v_cons.wait_and_advance()
             self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+            cute.nvgpu.warpgroup.wait_group(1)
+            k_handle.release()
+            if cutlass.const_expr(features):
+                if softcap > 0.0:
+                    self._soft_cap(acc_s, softcap, softcap_in)
+            self._mask_kv(acc_s, tScS, p, pos0, seq_len, shift, n_old, ctx, u_part,
+                          u_diag, u_win, w_off, features)
+            self._online_softmax(acc_s, row_max, row_sum, corr, scale_log2)
             cute.nvgpu.warpgroup.wait_group(0)
             v_handle.release()
-            q_handle.release()
-
-            self.epilogue(acc_o, tOcO, row_max, row_sum, mO, mQSL, mWork, mPartialOffsets,
-                          mOPartial, mLsePartial, mSinks2, it, b, q_start, q_cnt, head_base,
-                          shift,
-                          gmask, qh, poff_rows, tok_off, group_size, scale_log2)
+            self._rescale(acc_o, corr)
+            rP_as_s.store(acc_s.load().to(self.dtype))
+        v_handle = v_cons.wait_and_advance()
+        self._issue_pv(pv_mma, acc_o, rP, tOrV, v_handle.index)
+        cute.nvgpu.warpgroup.wait_group(0)
+        v_handle.release()
+        q_handle.release()
+        return q_cons, k_cons, v_cons
 
     @cute.jit
     def _issue_qk(self, qk_mma, acc_s, tSrQ, tSrK, q_stage, k_stage):
@@ -522,7 +568,7 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
 
     @cute.jit
     def _mask_kv(self, acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part, u_diag,
-                 u_win, w_off):
+                 u_win, w_off, features: cutlass.Constexpr = True):
         """-inf on the keys of KV page (fused: unit) ``u`` that row's query may not see.
 
         Pages: key ``u*P + c`` is masked past the query's position (causal) or past
@@ -536,9 +582,11 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         (the item's first ones; ``u_win`` = -1 without a window)."""
         P = self.page
         # a window page takes the loop with both bounds; every other page keeps the causal
-        # loop alone, so a layer without a window (u_win = -1) runs the code it ran before
-        # windows existed, plus one compare a page
-        if cutlass.const_expr(self.fresh_kv):
+        # loop alone; without ``features`` (no window) the window test is not compiled
+        if cutlass.const_expr(not features):
+            self._mask_causal(acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part,
+                              u_diag)
+        elif cutlass.const_expr(self.fresh_kv):
             if u <= u_win:
                 kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
                 self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, w_off)
@@ -553,6 +601,19 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
             else:
                 if kv0 + P - 1 > pos0:
                     self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, None)
+
+    @cute.jit
+    def _mask_causal(self, acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part, u_diag):
+        """``_mask_kv`` of a layer without a window: the causal and length bounds only."""
+        P = self.page
+        if cutlass.const_expr(self.fresh_kv):
+            if u == u_part or u >= u_diag:
+                kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
+                self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, None)
+        else:
+            kv0 = u * P
+            if kv0 + P - 1 > pos0:
+                self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, None)
 
     @cute.jit
     def _unit_keys(self, u, n_old, ctx, seq_len):
