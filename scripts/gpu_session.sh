@@ -131,7 +131,8 @@ if want kval; then
   python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${KVAL_TESTS:-tests} $ignore \
     > "$scratch/kval-collect.txt" 2>&1
   collect_rc=$?
-  grep '::' "$scratch/kval-collect.txt" | sort > "$scratch/kval-tests.txt"
+  # test ids only (pytest's "ERROR: not found: x.py::y" lines hold '::' too)
+  grep -E '^[^ ]+\.py::' "$scratch/kval-collect.txt" | sort > "$scratch/kval-tests.txt"
   # a bad id in KVAL_TESTS makes pytest collect nothing; never fall back to "every test"
   if [ "$collect_rc" -ne 0 ] || [ ! -s "$scratch/kval-tests.txt" ]; then
     mark kval-tests "refused: collection rc=$collect_rc, $(wc -l < "$scratch/kval-tests.txt") ids"
