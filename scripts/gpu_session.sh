@@ -32,8 +32,9 @@
 #            synccheck) over a reduced sweep of every default kernel (SANITIZE_CASES, 96:
 #            each G, head size, path and tile size twice; KV <= 4096 tokens; split-KV and
 #            combine every 4th case; SANITIZE_SHARD K/N runs every N-th of them,
-#            SANITIZE_BUDGET_S stops starting cases after that many seconds) and over the
-#            kv_append and KV-tier GPU tests (SANITIZE_TESTS: the gather/drain kernels);
+#            SANITIZE_BUDGET_S stops starting cases after that many seconds, SANITIZE_SEED
+#            replays a seed) and over the kv_append and KV-tier GPU tests (SANITIZE_TESTS:
+#            the gather/drain kernels; "none": the sweep only);
 #            torch's caching allocator off, so memcheck sees each tensor's own bounds; API
 #            errors not reported, cuBLAS's nvjet GEMMs not instrumented.  Logs:
 #            OUT/sanitize/<tool>-{sweep,tests}.log
@@ -128,15 +129,27 @@ if want kval; then
   ignore=--ignore=tests/test_kv_tier_gpu.py; [ "${KVAL_KV_TIER:-0}" = 1 ] && ignore=
   # shellcheck disable=SC2086  # KVAL_TESTS is a list of paths, ignore empty or one flag
   python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${KVAL_TESTS:-tests} $ignore \
-    2>/dev/null | grep '::' | sort > "$scratch/kval-tests.txt"
+    > "$scratch/kval-collect.txt" 2>&1
+  collect_rc=$?
+  # test ids only (pytest's "ERROR: not found: x.py::y" lines hold '::' too)
+  grep -E '^[^ ]+\.py::' "$scratch/kval-collect.txt" | sort > "$scratch/kval-tests.txt"
+  # a bad id in KVAL_TESTS makes pytest collect nothing; never fall back to "every test"
+  if [ "$collect_rc" -ne 0 ] || [ ! -s "$scratch/kval-tests.txt" ]; then
+    mark kval-tests "refused: collection rc=$collect_rc, $(wc -l < "$scratch/kval-tests.txt") ids"
+    cp "$scratch/kval-collect.txt" "$out/kval-collect.log"
+    : > "$scratch/kval-tests.txt"
+  fi
   shards=${KVAL_SHARDS:-8}
   split -n "l/$shards" -d -a 2 "$scratch/kval-tests.txt" "$scratch/kval-shard-"
   for f in "$scratch"/kval-shard-*; do
+    [ -s "$f" ] || continue  # an empty shard would run pytest over the whole tree
     # shellcheck disable=SC2046  # one test id per word
-    step "kval-tests-${f##*-}" 900 python3 -m pytest -m gpu -q -p no:cacheprovider $(cat "$f") &
+    # -v: a line a test, so that a shard cut by its time limit still shows how far it got
+    step "kval-tests-${f##*-}" 900 python3 -m pytest -m gpu -v --durations=5 \
+      -p no:cacheprovider $(cat "$f") &
   done
   seed=$(python3 -c 'import time; print(time.time_ns() % 2**31)')
-  n=${KVAL_SWEEP_SHARDS:-4}
+  n=${KVAL_SWEEP_SHARDS:-4}  # 0: no sweep
   for ((i = 0; i < n; i++)); do
     CUTE_DSL_DISABLE_FILE_CACHING=1 step "sweep-$i" 900 python3 scripts/gpu_sweep.py \
       --cases "${KVAL_CASES:-1000}" --seed "$seed" --shard "$i/$n" --quiet \
@@ -206,7 +219,7 @@ if want preempt; then
 fi
 if want sanitize; then
   mkdir -p "$out/sanitize"
-  seed=$(python3 -c 'import time; print(time.time_ns() % 2**31)')
+  seed=${SANITIZE_SEED:-$(python3 -c 'import time; print(time.time_ns() % 2**31)')}
   # the tools run side by side (each run is bound by the sanitizer's slow kernels, not by
   # the GPU's capacity); kernels come from ION_KERNEL_CACHE when an earlier step built them
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
@@ -221,7 +234,8 @@ if want sanitize; then
       --max-kv-tokens 4096 --time-budget "${SANITIZE_BUDGET_S:-0}" --quiet \
       --out "$out/sanitize/$tool-sweep" &
     # shellcheck disable=SC2086  # SANITIZE_TESTS is a list of test ids
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
+    [ "${SANITIZE_TESTS:-}" = none ] \
+      || PYTORCH_NO_CUDA_MEMORY_CACHING=1 step "san-$tool-tests" 900 \
       "${san[@]}" --log-file "$out/sanitize/$tool-tests.log" python3 -m pytest -m gpu -q \
       -p no:cacheprovider ${SANITIZE_TESTS:-tests/test_kv_append.py tests/test_kv_tier_gpu.py} &
   done

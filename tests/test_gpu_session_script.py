@@ -78,6 +78,22 @@ def test_dry_run_lists_every_step_with_its_knobs(tmp_path):
     assert not list((tmp_path / "tmp").iterdir())  # the scratch dir is gone
 
 
+def test_kval_refuses_a_test_list_that_collects_nothing(tmp_path):
+    """A bad id in KVAL_TESTS collects nothing: no shard may fall back to the whole tree."""
+    rc, steps = _run(tmp_path, SESSION_STEPS="kval", KVAL_SHARDS="3", KVAL_SWEEP_SHARDS="1",
+                     KVAL_TESTS="tests/test_kv_append.py::no_such_test")
+    assert rc == 0, steps
+    assert "kval-tests   refused: collection rc=4, 0 ids" in steps
+    names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
+    assert names == ["sweep-0"], steps
+    assert (tmp_path / "out" / "kval-collect.log").read_text()
+    # and a list shorter than the shard count leaves no empty shard behind
+    rc, steps = _run(tmp_path, SESSION_STEPS="kval", KVAL_SHARDS="4", KVAL_SWEEP_SHARDS="1",
+                     KVAL_TESTS="tests/test_kv_append.py::test_kv_append_single_token_and_empty")
+    names = [x.split()[1] for x in steps.splitlines() if "would run" in x]
+    assert sorted(names) == ["kval-tests-00", "sweep-0"], steps
+
+
 def test_missing_models_are_made_first(tmp_path):
     env = {"SESSION_STEPS": "e2e agree", "MODEL": "", "TINY_MODEL": ""}
     rc, steps = _run(tmp_path, **env)
