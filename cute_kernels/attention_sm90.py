@@ -22,7 +22,10 @@ Warp specialization (``KernelOptions.tile_m`` = 64 x consumer warpgroups):
     S_{p+1} runs while that PV is on the tensor cores, and O is rescaled once it retired.
     With two or three consumers (128/192-row tiles, one CTA per SM) each computes 64 rows
     from its own Q buffer and all of them share every K/V stage.  With one consumer two
-    CTAs share an SM, so one CTA's softmax also hides behind the other's MMAs.
+    CTAs share an SM, so one CTA's softmax also hides behind the other's MMAs.  The item
+    walk is compiled twice, with and without the soft cap's and the sliding window's code,
+    and a launch takes one by its (uniform) arguments: layers without either run the loop
+    they ran before those features existed.
   * epilogue (``Sm90Epilogue``, epilogue_sm90.py): O / l to ``out``, or for a split-KV item
     O / l and the log2-sum-exp to the fp32 workspace that ``combine_sm90.py`` merges.
 
