@@ -351,3 +351,27 @@ def test_rel_err():
     a2 = a.clone()
     a2[0, 0, 0] = float("nan")
     assert kr.rel_err(a2, a) == float("inf")
+
+
+def test_exp_backends_register_another_checkout(tmp_path, monkeypatch):
+    """bench/exp_backends.py: an experiment branch's kernels (``$EXP_TREE``) registered as
+    exp-ion / exp-ion-attn beside this checkout's, from the tree's own modules."""
+    import runpy
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "cute_kernels", tmp_path / "cute_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("EXP_TREE", str(tmp_path))
+    monkeypatch.setattr(kr, "BACKENDS", dict(kr.BACKENDS))
+    saved = {k: v for k, v in sys.modules.items() if k.startswith("cute_kernels")}
+    try:
+        ns = runpy.run_path(str(root / "bench" / "exp_backends.py"))
+        assert {"exp-ion", "exp-ion-attn"} <= set(kr.BACKENDS)
+        assert ns["exp"].ion_attention.__module__ == "cute_kernels_exp.attention"
+        assert sys.modules["cute_kernels_exp.attention"].__file__.startswith(str(tmp_path))
+    finally:
+        for k in [k for k in sys.modules if k.startswith("cute_kernels_exp")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
