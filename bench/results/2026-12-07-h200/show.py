@@ -1,6 +1,7 @@
-"""Print the verdicts of one run.sh archive (kernel.tgz or serve.tgz), compactly:
-step exit codes, pytest summaries, sweep verdicts, kernel-bench medians, the soak's checks
-and the sanitizer's error summaries.  Usage: python3 show.py OUT/kernel.tgz"""
+"""Print the verdicts of one run.sh archive (any stage's OUT/<stage>.tgz), compactly:
+step exit codes, pytest summaries, sweep verdicts, kernel-bench medians (with the error
+against the reference on fp8-cache cases), the soak's checks, the sanitizer's error
+summaries, agreement verdicts and e2e throughput ratios.  Usage: python3 show.py OUT/X.tgz"""
 
 import gzip
 import json
@@ -53,11 +54,30 @@ def main(path):
                 for line in text(tar, m).splitlines():
                     f = line.split()
                     if len(f) > 5 and f[1] == "[kernel]" and f[5] == "us":
-                        cases.setdefault(f[2], []).append(f"{f[3]}={f[4]}")
+                        err = re.search(r"rel_err=(\S+)", line)
+                        fp8 = f[2].endswith("-fp8") and err
+                        cases.setdefault(f[2], []).append(
+                            f"{f[3]}={f[4]}" + (f"({err.group(1)})" if fp8 else ""))
                     elif "[kernel]" in line and ("error" in line or "wrong" in line):
                         print("  " + line[9:160])
                 for case, times in cases.items():
                     print(f"  {case}: {' '.join(times)}")
+            elif base == "agreement.json":
+                s = json.loads(text(tar, m))
+                print(name.split("/")[-2], s["verdict"]["verdict"], s["verdict"]["checks"])
+                for b, v in s["vs_reference"].items():
+                    print(f"  {b}: top1 {v['top1_agreement']:.4f} max|dlp| "
+                          f"{v['dlogprob_max']:.3g} greedy {v.get('greedy_prefix_match')}")
+            elif base == "summary.json" and "/e2e/" in "/" + name:
+                for r in json.loads(text(tar, m)).get("records", []):
+                    ratios = {k[len("ratio_total_tok_s_vs_"):]: round(v["ratio"], 3)
+                              for k, v in r.items() if k.startswith("ratio_total_tok_s_vs_")
+                              and isinstance(v, dict) and "ratio" in v}
+                    kv = (r.get("server") or {}).get("kv_cache_tokens")
+                    tok = r.get("total_tok_s")
+                    print(f"  e2e {r['case']} {r['backend']}: {r.get('status')} "
+                          f"{'-' if tok is None else round(tok)} tok/s {ratios} kv {kv} "
+                          f"{r.get('error', '')[:100]}")
 
 
 if __name__ == "__main__":
