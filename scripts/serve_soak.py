@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import re
 import signal
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["host_rss"] = flatness(samples, "rss_mib")
         # the server's own GPU memory where nvidia-smi can attribute it (other jobs may
         # share the GPU), else the whole GPU's
-        per_proc = all(s["gpu_server_mib"] == s["gpu_server_mib"] for s in samples)
+        per_proc = not any(math.isnan(s["gpu_server_mib"]) for s in samples)
         summary["gpu_memory"] = flatness(samples, "gpu_server_mib" if per_proc else "gpu_mib")
         summary["gpu_memory"]["measured"] = "server processes" if per_proc else "whole GPU"
     ph = summary.get("phases", {})
