@@ -589,21 +589,16 @@ class IonAttentionSm90(Sm90Producer, Sm90Epilogue):
         if cutlass.const_expr(not features):
             self._mask_causal(acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part,
                               u_diag)
-        elif cutlass.const_expr(self.fresh_kv):
-            if u <= u_win:
-                kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
-                self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, w_off)
-            else:
-                if u == u_part or u >= u_diag:
-                    kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
-                    self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, None)
         else:
-            kv0 = u * P
             if u <= u_win:
-                self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, w_off)
+                if cutlass.const_expr(self.fresh_kv):
+                    kv0, lim = self._unit_keys(u, n_old, ctx, seq_len)
+                    self._mask_keys(acc_s, tScS, kv0, lim, pos0, shift, w_off)
+                else:
+                    self._mask_keys(acc_s, tScS, u * P, seq_len - 1, pos0, shift, w_off)
             else:
-                if kv0 + P - 1 > pos0:
-                    self._mask_keys(acc_s, tScS, kv0, seq_len - 1, pos0, shift, None)
+                self._mask_causal(acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part,
+                                  u_diag)
 
     @cute.jit
     def _mask_causal(self, acc_s, tScS, u, pos0, seq_len, shift, n_old, ctx, u_part, u_diag):
