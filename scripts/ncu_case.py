@@ -27,7 +27,7 @@ def main() -> int:
     from ion_vllm.bench import kernel_suite
 
     for f in args.register:
-        runpy.run_path(f)
+        runpy.run_path(f, run_name="ion_bench_register")  # as ion-bench kernel does
     cases = kernel_suite.select(names=args.case.split(","))
     dev = torch.device("cuda")
     for case in cases:
